@@ -1,0 +1,49 @@
+"""dl4py: Deeplearning4j's GPU training system for Python, built on PyTorch.
+
+Public names are re-exported here; import from ``dl4py`` or its subpackages
+(``dl4py.config``, ``dl4py.data``, ``dl4py.nn``, ``dl4py.train``, ``dl4py.eval``,
+``dl4py.backend``), nothing deeper. Importing dl4py touches no device.
+"""
+
+__version__ = "0.1.0"
+
+from dl4py.backend import get_default_dtype, resolve_backend, set_backend, set_default_dtype
+from dl4py.config import (
+    ActivationLayer,
+    Adam,
+    AdamW,
+    BatchNormalization,
+    ConvolutionLayer,
+    DenseLayer,
+    DropoutLayer,
+    GlobalPoolingLayer,
+    InputType,
+    Nesterovs,
+    NetworkConfig,
+    OutputLayer,
+    RmsProp,
+    RunConfig,
+    Sgd,
+    SubsamplingLayer,
+)
+from dl4py.data import (
+    ArrayDataSetIterator,
+    CsvDataSetIterator,
+    DataSet,
+    DataSetIterator,
+    MnistDataSetIterator,
+)
+from dl4py.errors import BackendError, ConfigError, DataError, DL4PyError, TrainingError
+from dl4py.eval import Evaluation
+from dl4py.nn import MultiLayerNetwork, TorchModel, load
+from dl4py.train import TrainingInterrupted
+
+__all__ = [
+    "ActivationLayer", "Adam", "AdamW", "ArrayDataSetIterator", "BackendError",
+    "BatchNormalization", "ConfigError", "ConvolutionLayer", "CsvDataSetIterator", "DataError",
+    "DataSet", "DataSetIterator", "DenseLayer", "DL4PyError", "DropoutLayer", "Evaluation",
+    "GlobalPoolingLayer", "InputType", "MnistDataSetIterator", "MultiLayerNetwork", "Nesterovs",
+    "NetworkConfig", "OutputLayer", "RmsProp", "RunConfig", "Sgd", "SubsamplingLayer",
+    "TorchModel", "TrainingError", "TrainingInterrupted", "get_default_dtype", "load",
+    "resolve_backend", "set_backend", "set_default_dtype",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from dl4py.cli import main
+
+sys.exit(main())

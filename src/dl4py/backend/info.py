@@ -1,0 +1,73 @@
+"""What ``dl4py info`` reports: the backend chosen and why, devices, versions, settings."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+from dl4py.backend.precision import get_default_dtype
+from dl4py.backend.selection import cuda_unavailable_reason, get_backend_choice, resolve_backend
+
+
+def collect_info() -> dict:
+    backend = resolve_backend()
+    devices = []
+    if cuda_unavailable_reason() is None:
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            free, total = torch.cuda.mem_get_info(index)
+            devices.append({
+                "index": index,
+                "name": props.name,
+                "total_memory_bytes": total,
+                "free_memory_bytes": free,
+                "compute_capability": f"{props.major}.{props.minor}",
+                "bf16_supported": props.major >= 8,
+                "fp16_supported": props.major >= 6 or (props.major, props.minor) >= (5, 3),
+                "multiprocessors": props.multi_processor_count,
+            })
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return {
+        "backend": backend.name,
+        "device": str(backend.device),
+        "backend_reason": backend.reason,
+        "backend_setting": get_backend_choice(),
+        "priorities": {
+            "BACKEND_PRIORITY_CPU": os.environ.get("BACKEND_PRIORITY_CPU", "0 (default)"),
+            "BACKEND_PRIORITY_GPU": os.environ.get("BACKEND_PRIORITY_GPU", "100 (default)"),
+        },
+        "cuda_unavailable_reason": cuda_unavailable_reason(),
+        "devices": devices,
+        "versions": {
+            "dl4py": __import__("dl4py").__version__,
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "cudnn": cudnn,
+            "python": platform.python_version(),
+        },
+        "cpu": {"threads": torch.get_num_threads(), "logical_cores": os.cpu_count()},
+        "default_dtype": get_default_dtype(),
+        "environment": {},
+    }
+
+
+def format_info(info: dict) -> str:
+    lines = [
+        f"backend        {info['backend']} ({info['device']})",
+        f"  why          {info['backend_reason']}",
+        f"versions       " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()),
+        f"cpu threads    {info['cpu']['threads']} of {info['cpu']['logical_cores']} logical cores",
+        f"default dtype  {info['default_dtype']}",
+    ]
+    if info["devices"]:
+        for d in info["devices"]:
+            lines.append(
+                f"cuda:{d['index']}         {d['name']}, {d['total_memory_bytes'] / 2**30:.1f} GiB "
+                f"({d['free_memory_bytes'] / 2**30:.1f} free), compute {d['compute_capability']}, "
+                f"bf16 {'yes' if d['bf16_supported'] else 'no'}"
+            )
+    else:
+        lines.append(f"cuda           unavailable: {info['cuda_unavailable_reason']}")
+    return "\n".join(lines)

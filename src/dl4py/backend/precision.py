@@ -1,0 +1,90 @@
+"""Precision as one setting: a small policy object chosen by name.
+
+``float``/``double``/``half``/``bfloat16`` store parameters and compute in that type
+(DL4J's ``DataTypeUtil.setDTypeForContext``); ``mixed-bf16``/``mixed-fp16`` keep float
+parameters and run the forward pass under autocast, with dynamic loss scaling for fp16.
+Model code never mentions a dtype: the trainer asks the policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from dl4py.errors import BackendError
+
+_ALIASES = {
+    "float": "float", "float32": "float", "fp32": "float", "single": "float",
+    "double": "double", "float64": "double", "fp64": "double",
+    "half": "half", "float16": "half", "fp16": "half",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "mixed-fp16": "mixed-fp16", "mixed_fp16": "mixed-fp16", "mixed": "mixed-fp16",
+    "mixed-bf16": "mixed-bf16", "mixed_bf16": "mixed-bf16",
+}
+_PARAM_DTYPE = {
+    "float": torch.float32, "double": torch.float64, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "mixed-fp16": torch.float32, "mixed-bf16": torch.float32,
+}
+_AUTOCAST_DTYPE = {"mixed-fp16": torch.float16, "mixed-bf16": torch.bfloat16}
+NAMES = tuple(_PARAM_DTYPE)
+
+_default_name = "float"
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return _PARAM_DTYPE[self.name]
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return _AUTOCAST_DTYPE.get(self.name)
+
+    @property
+    def uses_loss_scaling(self) -> bool:
+        return self.name == "mixed-fp16"
+
+    def convert_input(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_floating_point() and x.dtype != self.param_dtype:
+            return x.to(self.param_dtype)
+        return x
+
+    def forward_context(self, device: torch.device):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=self.autocast_dtype)
+
+    def make_scaler(self, device: torch.device):
+        if not self.uses_loss_scaling:
+            return None
+        return torch.amp.GradScaler(device.type)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def resolve_precision(name: str | Precision | None = None) -> Precision:
+    """Policy for ``name``; None means the process default (``set_default_dtype``)."""
+    if isinstance(name, Precision):
+        return name
+    if name is None:
+        return Precision(_default_name)
+    canonical = _ALIASES.get(str(name).lower()) if isinstance(name, str) else None
+    if canonical is None:
+        raise BackendError(f"unknown precision {name!r}; choose one of: {', '.join(NAMES)}")
+    return Precision(canonical)
+
+
+def set_default_dtype(name: str) -> None:
+    """Process-wide precision for networks built later (DL4J's setDTypeForContext)."""
+    global _default_name
+    _default_name = resolve_precision(name).name
+
+
+def get_default_dtype() -> str:
+    return _default_name

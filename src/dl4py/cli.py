@@ -1,0 +1,138 @@
+"""The ``dl4py`` command: a thin layer over RunConfig, train_run, load and Evaluation.
+
+    dl4py train CONFIG.yaml [--epochs N] [--batch-size N] [--backend auto|cpu|gpu]
+                            [--precision P] [--output DIR] [--resume] [--set key=value ...]
+    dl4py evaluate MODEL [--config CONFIG] [--limit N] [--json]
+    dl4py summary CONFIG
+    dl4py info [--json]
+
+Flags are shorthands for ``--set`` on the same keys, so every value is type-checked by
+the config schema. Errors print one line naming the key, layer or file at fault.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from dl4py.errors import DL4PyError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dl4py", description="Deeplearning4j-style training on PyTorch")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a network from a run config (YAML or JSON)")
+    train.add_argument("config", type=Path)
+    train.add_argument("--epochs", type=int, help="training.epochs")
+    train.add_argument("--batch-size", type=int, help="training.batch_size")
+    train.add_argument("--backend", choices=["auto", "cpu", "gpu"], help="training.backend")
+    train.add_argument("--precision", help="training.precision (float, double, half, bfloat16, mixed-fp16, mixed-bf16)")
+    train.add_argument("--output", type=Path, help="run directory (default: runs/<config>-<time>)")
+    train.add_argument("--resume", action="store_true", help="continue the run in --output from its checkpoint")
+    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override any config key, e.g. --set network.updater.learning_rate=0.02")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    evaluate = sub.add_parser("evaluate", help="evaluate a saved model on its test data")
+    evaluate.add_argument("model", type=Path, help="a model file, or a run directory")
+    evaluate.add_argument("--config", type=Path, help="run config naming the data (default: the run's config.yaml, else MNIST)")
+    evaluate.add_argument("--limit", type=int, help="evaluate on the first N test examples only")
+    evaluate.add_argument("--batch-size", type=int, default=1024)
+    evaluate.add_argument("--backend", choices=["auto", "cpu", "gpu"])
+    evaluate.add_argument("--json", action="store_true", help="print the statistics as JSON")
+
+    summary = sub.add_parser("summary", help="per-layer shapes and parameter counts of a config")
+    summary.add_argument("config", type=Path)
+
+    info = sub.add_parser("info", help="backend, devices and versions")
+    info.add_argument("--json", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        return {"train": _train, "evaluate": _evaluate, "summary": _summary, "info": _info}[args.command](args)
+    except DL4PyError as exc:
+        print(f"dl4py {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _train(args) -> int:
+    from dl4py.config import RunConfig
+    from dl4py.runner import train_run
+    from dl4py.train import TrainingInterrupted
+
+    config = RunConfig.from_file(args.config)
+    flags = {
+        "training.epochs": args.epochs, "training.batch_size": args.batch_size,
+        "training.backend": args.backend, "training.precision": args.precision,
+    }
+    overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + args.overrides
+    config = config.with_overrides(overrides)
+    try:
+        result = train_run(
+            config, output=args.output, resume=args.resume, config_name=args.config.stem,
+            progress=False if args.no_progress else None,
+        )
+    except TrainingInterrupted as exc:
+        print(f"dl4py train: {exc}", file=sys.stderr)
+        return 130
+    accuracy = result.get("test_accuracy")
+    print(json.dumps({k: result[k] for k in ("run_dir", "test_accuracy", "epochs", "train_samples_per_second", "wall_seconds")}))
+    if accuracy is not None:
+        print(f"test accuracy {accuracy:.4f} after {result['epochs']} epochs; run directory {result['run_dir']}", file=sys.stderr)
+    return 0
+
+
+def _evaluate(args) -> int:
+    from dl4py.config import RunConfig
+    from dl4py.config.run import DataConfig
+    from dl4py.nn import load
+    from dl4py.runner import MODEL, make_iterators
+
+    model_path, config_path = args.model, args.config
+    if model_path.is_dir():
+        if config_path is None and (model_path / "config.yaml").exists():
+            config_path = model_path / "config.yaml"
+        model_path = model_path / MODEL
+    elif config_path is None and (model_path.parent / "config.yaml").exists():
+        config_path = model_path.parent / "config.yaml"
+    model = load(model_path, backend=args.backend)
+    data = RunConfig.from_file(config_path).data if config_path else DataConfig()
+    if args.limit is not None:
+        data = RunConfig(network=model.config, data=data).with_overrides([f"data.limit_test={args.limit}"]).data
+    _, test = make_iterators(data, args.batch_size, model.config.input_type.example_shape())
+    if test is None:
+        print("dl4py evaluate: error: the config's data section has no test set (data.test_path)", file=sys.stderr)
+        return 2
+    evaluation = model.evaluate(test)
+    print(json.dumps(evaluation.to_dict(), indent=2) if args.json else evaluation.stats())
+    return 0
+
+
+def _summary(args) -> int:
+    from dl4py.config import RunConfig
+    from dl4py.nn.summary import summary_table
+
+    config = RunConfig.from_file(args.config)
+    table, _ = summary_table(config.network)
+    print(table)
+    return 0
+
+
+def _info(args) -> int:
+    from dl4py.backend.info import collect_info, format_info
+
+    info = collect_info()
+    print(json.dumps(info, indent=2) if args.json else format_info(info))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""Network and run configuration as plain, round-trippable data."""
+
+from dl4py.config.input_type import Convolutional, ConvolutionalFlat, FeedForward, InputType
+from dl4py.config.layers import (
+    ActivationLayer,
+    BatchNormalization,
+    ConvolutionLayer,
+    DenseLayer,
+    DropoutLayer,
+    GlobalPoolingLayer,
+    Layer,
+    OutputLayer,
+    SubsamplingLayer,
+)
+from dl4py.config.network import NetworkConfig
+from dl4py.config.run import DataConfig, EnvironmentConfig, RunConfig, TrainingConfig
+from dl4py.config.updaters import Adam, AdamW, Nesterovs, RmsProp, Sgd, Updater
+
+__all__ = [
+    "ActivationLayer", "Adam", "AdamW", "BatchNormalization", "Convolutional", "ConvolutionalFlat",
+    "ConvolutionLayer", "DataConfig", "DenseLayer", "DropoutLayer", "EnvironmentConfig",
+    "FeedForward", "GlobalPoolingLayer", "InputType", "Layer", "Nesterovs", "NetworkConfig",
+    "OutputLayer", "RmsProp", "RunConfig", "Sgd", "SubsamplingLayer", "TrainingConfig", "Updater",
+]

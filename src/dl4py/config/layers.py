@@ -1,0 +1,254 @@
+"""Layer configurations: what each layer is, as plain data, and the shape it produces.
+
+Names follow DL4J (DenseLayer, ConvolutionLayer, SubsamplingLayer, ...); fields are
+snake_case. ``n_in`` is never needed: it is inferred from the previous layer's output
+shape, as DL4J's ``setInputType`` does. Building the torch modules lives in ``dl4py.nn``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal, Optional
+
+from dl4py.config.schema import TaggedConfig, join
+from dl4py.errors import ConfigError
+
+Activation = Literal["identity", "relu", "leakyrelu", "tanh", "sigmoid", "softmax", "gelu"]
+WeightInit = Literal["xavier", "relu", "normal", "uniform", "zero"]
+Loss = Literal["negativeloglikelihood", "mcxent", "mse", "xent"]
+Pair = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Shape of one example between layers: ``("ff", (n,))`` or ``("cnn", (c, h, w))``."""
+
+    kind: Literal["ff", "cnn"]
+    dims: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for d in self.dims:
+            n *= d
+        return n
+
+    def flat(self) -> "Shape":
+        return Shape("ff", (self.size,))
+
+    def __str__(self) -> str:
+        return "x".join(map(str, self.dims))
+
+
+class Layer(TaggedConfig):
+    registry: ClassVar[dict[str, type]] = {}
+    type_name: ClassVar[str | None] = None
+    has_params: ClassVar[bool] = False
+
+    def output_shape(self, shape: Shape, where: str) -> Shape:
+        """Shape this layer produces from ``shape``; ConfigError when it cannot take it."""
+        raise NotImplementedError
+
+
+def _check_positive(layer, where: str, *names: str) -> None:
+    for name in names:
+        value = getattr(layer, name)
+        values = value if isinstance(value, tuple) else (value,)
+        if any(v <= 0 for v in values):
+            raise ConfigError(join(where, name), f"must be positive, got {_show(value)}")
+
+
+def _check_non_negative(layer, where: str, *names: str) -> None:
+    for name in names:
+        value = getattr(layer, name)
+        values = value if isinstance(value, tuple) else (value,)
+        if any(v < 0 for v in values):
+            raise ConfigError(join(where, name), f"must be zero or more, got {_show(value)}")
+
+
+def _show(value) -> str:
+    return list(value).__repr__() if isinstance(value, tuple) else repr(value)
+
+
+def _need_cnn(layer: Layer, shape: Shape, where: str) -> None:
+    if shape.kind != "cnn":
+        raise ConfigError(
+            where,
+            f"{layer.type_name} needs convolutional input [channels, height, width], but the "
+            f"previous layer gives a flat vector of {shape.size}; use InputType.convolutional "
+            "or convolutional_flat, or move this layer before any dense layer",
+        )
+
+
+def _window_output(
+    layer, shape: Shape, where: str, kernel: Pair, stride: Pair, padding: Pair, dilation: Pair
+) -> tuple[int, int]:
+    """Spatial output of a convolution or pooling window (DL4J's 'truncate' mode)."""
+    out = []
+    for axis, name in enumerate(("height", "width")):
+        size = shape.dims[1 + axis] + 2 * padding[axis]
+        span = dilation[axis] * (kernel[axis] - 1) + 1
+        if span > size:
+            raise ConfigError(
+                join(where, "kernel_size"),
+                f"kernel {_show(kernel)} (dilation {_show(dilation)}) spans {span} but the input "
+                f"{name} is {shape.dims[1 + axis]} (+{2 * padding[axis]} padding); input shape is "
+                f"{shape} [channels x height x width]",
+            )
+        out.append((size - span) // stride[axis] + 1)
+    return out[0], out[1]
+
+
+@dataclass(frozen=True)
+class _ParamLayer(Layer):
+    """Fields shared by layers with weights; None means 'use the network default'."""
+
+    has_params: ClassVar[bool] = True
+
+
+@Layer.register("dense")
+@dataclass(frozen=True)
+class DenseLayer(_ParamLayer):
+    n_out: int
+    activation: Optional[Activation] = None
+    weight_init: Optional[WeightInit] = None
+    l2: Optional[float] = None
+    has_bias: bool = True
+
+    def validate(self, where: str) -> None:
+        _check_positive(self, where, "n_out")
+        if self.l2 is not None and self.l2 < 0:
+            raise ConfigError(join(where, "l2"), f"must be zero or more, got {self.l2}")
+
+    def output_shape(self, shape: Shape, where: str) -> Shape:
+        return Shape("ff", (self.n_out,))
+
+
+@Layer.register("output")
+@dataclass(frozen=True)
+class OutputLayer(DenseLayer):
+    """Dense layer with a loss. Activation defaults to the loss's natural one:
+    softmax for negativeloglikelihood/mcxent, sigmoid for xent, identity for mse."""
+
+    loss: Loss = "negativeloglikelihood"
+
+    def resolved_activation(self) -> str:
+        if self.activation is not None:
+            return self.activation
+        return {"negativeloglikelihood": "softmax", "mcxent": "softmax", "xent": "sigmoid"}.get(
+            self.loss, "identity"
+        )
+
+
+@Layer.register("convolution")
+@dataclass(frozen=True)
+class ConvolutionLayer(_ParamLayer):
+    n_out: int
+    kernel_size: Pair = (5, 5)
+    stride: Pair = (1, 1)
+    padding: Pair = (0, 0)
+    dilation: Pair = (1, 1)
+    activation: Optional[Activation] = None
+    weight_init: Optional[WeightInit] = None
+    l2: Optional[float] = None
+    has_bias: bool = True
+
+    def validate(self, where: str) -> None:
+        _check_positive(self, where, "n_out", "kernel_size", "stride", "dilation")
+        _check_non_negative(self, where, "padding")
+        if self.l2 is not None and self.l2 < 0:
+            raise ConfigError(join(where, "l2"), f"must be zero or more, got {self.l2}")
+
+    def output_shape(self, shape: Shape, where: str) -> Shape:
+        _need_cnn(self, shape, where)
+        h, w = _window_output(
+            self, shape, where, self.kernel_size, self.stride, self.padding, self.dilation
+        )
+        return Shape("cnn", (self.n_out, h, w))
+
+
+@Layer.register("subsampling")
+@dataclass(frozen=True)
+class SubsamplingLayer(Layer):
+    """Max or average pooling over a window (DL4J's SubsamplingLayer)."""
+
+    pooling_type: Literal["max", "avg"] = "max"
+    kernel_size: Pair = (2, 2)
+    stride: Pair = (2, 2)
+    padding: Pair = (0, 0)
+
+    def validate(self, where: str) -> None:
+        _check_positive(self, where, "kernel_size", "stride")
+        _check_non_negative(self, where, "padding")
+        for axis in range(2):
+            if 2 * self.padding[axis] > self.kernel_size[axis]:
+                raise ConfigError(
+                    join(where, "padding"),
+                    f"must be at most half the kernel size {_show(self.kernel_size)}, "
+                    f"got {_show(self.padding)}",
+                )
+
+    def output_shape(self, shape: Shape, where: str) -> Shape:
+        _need_cnn(self, shape, where)
+        h, w = _window_output(self, shape, where, self.kernel_size, self.stride, self.padding, (1, 1))
+        return Shape("cnn", (shape.dims[0], h, w))
+
+
+@Layer.register("batch_normalization")
+@dataclass(frozen=True)
+class BatchNormalization(Layer):
+    """Batch normalisation over features (flat input) or channels (convolutional input).
+    ``decay`` is DL4J's running-average decay: PyTorch's momentum is ``1 - decay``."""
+
+    has_params: ClassVar[bool] = True
+    eps: float = 1e-5
+    decay: float = 0.9
+
+    def validate(self, where: str) -> None:
+        if not self.eps > 0:
+            raise ConfigError(join(where, "eps"), f"must be positive, got {self.eps}")
+        if not 0.0 <= self.decay < 1.0:
+            raise ConfigError(join(where, "decay"), f"must be in [0, 1), got {self.decay}")
+
+    def output_shape(self, shape: Shape, where: str) -> Shape:
+        return shape
+
+
+@Layer.register("dropout")
+@dataclass(frozen=True)
+class DropoutLayer(Layer):
+    """Zeroes each activation with probability ``rate`` while training (PyTorch's meaning;
+    DL4J's ``dropOut(p)`` takes the probability of *keeping* it, i.e. ``1 - rate``)."""
+
+    rate: float = 0.5
+
+    def validate(self, where: str) -> None:
+        if not 0.0 <= self.rate < 1.0:
+            raise ConfigError(join(where, "rate"), f"must be in [0, 1), got {self.rate}")
+
+    def output_shape(self, shape: Shape, where: str) -> Shape:
+        return shape
+
+
+@Layer.register("activation")
+@dataclass(frozen=True)
+class ActivationLayer(Layer):
+    activation: Activation
+
+    def output_shape(self, shape: Shape, where: str) -> Shape:
+        return shape
+
+
+@Layer.register("global_pooling")
+@dataclass(frozen=True)
+class GlobalPoolingLayer(Layer):
+    """Pools each channel over all positions: [c, h, w] -> [c]."""
+
+    pooling_type: Literal["max", "avg", "sum"] = "max"
+
+    def output_shape(self, shape: Shape, where: str) -> Shape:
+        _need_cnn(self, shape, where)
+        return Shape("ff", (shape.dims[0],))
+
+
+LAYER_TYPES = tuple(Layer.registry.values())

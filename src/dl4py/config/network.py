@@ -1,0 +1,181 @@
+"""NetworkConfig: a whole network as plain data (DL4J's MultiLayerConfiguration).
+
+Build one directly, with the DL4J-style builder, or from a dict / JSON / YAML::
+
+    conf = (NetworkConfig.builder()
+            .seed(123).weight_init("xavier").updater(Nesterovs(learning_rate=0.01))
+            .layer(ConvolutionLayer(n_out=20, kernel_size=(5, 5), activation="identity"))
+            .layer(SubsamplingLayer(kernel_size=(2, 2), stride=(2, 2)))
+            .layer(OutputLayer(n_out=10, loss="negativeloglikelihood"))
+            .input_type(InputType.convolutional_flat(28, 28, 1))
+            .build())
+
+Defaults are DL4J's: weight init xavier, activation sigmoid, updater SGD(1e-3), no L2.
+A config is validated (types, ranges, shapes through every layer) when it is created.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from dl4py.config.input_type import InputType
+from dl4py.config.layers import Activation, Layer, OutputLayer, Shape, WeightInit
+from dl4py.config.schema import ConfigBase, coerce, dataclass_from_dict, join
+from dl4py.config.updaters import AdamW, Sgd, Updater
+from dl4py.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class LayerShapes:
+    index: int
+    layer: Layer
+    input: Shape
+    output: Shape
+
+
+@dataclass(frozen=True)
+class NetworkConfig(ConfigBase):
+    layers: tuple = ()
+    input_type: InputType | None = None
+    seed: int = 12345
+    weight_init: WeightInit = "xavier"
+    activation: Activation = "sigmoid"
+    updater: Updater = field(default_factory=Sgd)
+    l2: float = 0.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "layers", tuple(self.layers))
+        self.validate("network")
+
+    # ---- conversion -------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "network") -> "NetworkConfig":
+        if not isinstance(data, dict):
+            raise ConfigError(where, f"must be a mapping, got {data!r}")
+        data = dict(data)
+        layers = data.pop("layers", None)
+        if not isinstance(layers, list) or not layers:
+            raise ConfigError(join(where, "layers"), "must be a non-empty list of layers")
+        data["layers"] = [
+            coerce(layer, Layer, join(join(where, "layers"), i)) for i, layer in enumerate(layers)
+        ]
+        if "input_type" not in data:
+            raise ConfigError(
+                join(where, "input_type"),
+                "is required: every layer's n_in is inferred from it "
+                "(e.g. {type: convolutional_flat, height: 28, width: 28, channels: 1})",
+            )
+        return dataclass_from_dict(cls, data, where)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> "NetworkConfig":
+        return cls.from_dict(json.loads(text))
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> "NetworkConfig":
+        import yaml
+
+        return cls.from_dict(yaml.safe_load(text))
+
+    @staticmethod
+    def builder() -> "NetworkConfigBuilder":
+        return NetworkConfigBuilder()
+
+    # ---- validation and shape inference -------------------------------------------
+    def validate(self, where: str = "network") -> None:
+        if not self.layers:
+            raise ConfigError(join(where, "layers"), "must hold at least one layer")
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, Layer):
+                raise ConfigError(join(join(where, "layers"), i), f"is not a layer: {layer!r}")
+        if self.input_type is None:
+            raise ConfigError(join(where, "input_type"), "is required: n_in is inferred from it")
+        if self.l2 < 0:
+            raise ConfigError(join(where, "l2"), f"must be zero or more, got {self.l2}")
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, OutputLayer) and i != last:
+                raise ConfigError(
+                    join(join(where, "layers"), i),
+                    f"an output layer must be the last layer (this is layer {i} of {last + 1})",
+                )
+        if not isinstance(self.layers[last], OutputLayer):
+            raise ConfigError(
+                join(join(where, "layers"), last),
+                f"the last layer must be an output layer (with a loss), got {self.layers[last].type_name!r}",
+            )
+        if isinstance(self.updater, AdamW) and (
+            self.l2 > 0 or any(getattr(layer, "l2", None) for layer in self.layers)
+        ):
+            raise ConfigError(
+                join(where, "l2"),
+                "AdamW decays weights itself (updater.weight_decay); do not combine it with l2",
+            )
+        self.layer_shapes(where)
+
+    def layer_shapes(self, where: str = "network") -> list[LayerShapes]:
+        """Input and output shape of every layer, inferred from ``input_type``."""
+        shapes = []
+        current = _first_shape(self.input_type, self.layers[0])
+        for i, layer in enumerate(self.layers):
+            at = join(join(where, "layers"), i)
+            if layer.type_name in ("dense", "output") and current.kind == "cnn":
+                current = current.flat()  # DL4J's CnnToFeedForwardPreProcessor
+            out = layer.output_shape(current, at)
+            shapes.append(LayerShapes(i, layer, current, out))
+            current = out
+        return shapes
+
+    def replace(self, **changes) -> "NetworkConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _first_shape(input_type: InputType, first: Layer) -> Shape:
+    from dl4py.config.input_type import Convolutional, ConvolutionalFlat, FeedForward
+
+    if isinstance(input_type, FeedForward):
+        return Shape("ff", (input_type.size,))
+    cnn = Shape("cnn", (input_type.channels, input_type.height, input_type.width))
+    if isinstance(input_type, ConvolutionalFlat) and first.type_name in ("dense", "output"):
+        return cnn.flat()
+    assert isinstance(input_type, (Convolutional, ConvolutionalFlat))
+    return cnn
+
+
+class NetworkConfigBuilder:
+    """DL4J-style fluent builder: ``.seed(..).updater(..).layer(..).input_type(..).build()``."""
+
+    def __init__(self):
+        self._fields: dict[str, Any] = {}
+        self._layers: list[Layer] = []
+
+    def layer(self, layer: Layer) -> "NetworkConfigBuilder":
+        self._layers.append(layer)
+        return self
+
+    def __getattr__(self, name: str):
+        names = {f.name for f in dataclasses.fields(NetworkConfig)} - {"layers"}
+        if name not in names:
+            raise AttributeError(f"NetworkConfig has no setting {name!r}; settings: {sorted(names)}")
+
+        def setter(value):
+            self._fields[name] = value
+            return self
+
+        return setter
+
+    def build(self) -> NetworkConfig:
+        data = {k: (v.to_dict() if hasattr(v, "to_dict") else v) for k, v in self._fields.items()}
+        data["layers"] = [layer.to_dict() for layer in self._layers]
+        return NetworkConfig.from_dict(data)

@@ -1,0 +1,226 @@
+"""The iterator protocol the trainer consumes, and the in-memory iterator.
+
+An iterator yields one epoch of `DataSet` batches per ``__iter__``. The shuffle order
+of epoch ``e`` is a pure function of ``(seed, e)``, so a run stopped mid-way, or one
+shard of it in another process, can replay exactly the same batches.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from dl4py.data.dataset import DataSet
+from dl4py.errors import DataError
+
+__all__ = ["DataSetIterator", "ArrayDataSetIterator"]
+
+
+class DataSetIterator:
+    """Base of every dl4py iterator (DL4J's ``DataSetIterator``).
+
+    Subclasses implement ``__iter__``, ``__len__``, ``total_examples``, ``num_classes``
+    and ``input_shape``; the epoch counter lives here. Each ``__iter__`` takes the next
+    epoch number (0, 1, 2, ...) unless ``set_epoch`` chose it.
+    """
+
+    batch_size: int
+    _next_epoch = 0  # a class default, so subclasses need not call super().__init__()
+
+    def __iter__(self) -> Iterator[DataSet]:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def total_examples(self) -> int:
+        raise NotImplementedError
+
+    def num_classes(self) -> int | None:
+        raise NotImplementedError
+
+    def input_shape(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next ``__iter__`` use the order of ``epoch``; later ones continue from it."""
+        self._next_epoch = _non_negative_int(epoch, "epoch")
+
+    def reset(self) -> None:
+        """DL4J's name for "start over". Every ``__iter__`` already starts at the first
+        batch, so this only exists for code written against DL4J; the epoch counter is
+        left alone (DL4J's ``reset`` also reshuffles), use ``set_epoch`` to replay one."""
+
+    def _take_epoch(self) -> int:
+        epoch = self._next_epoch
+        self._next_epoch += 1
+        return epoch
+
+
+class ArrayDataSetIterator(DataSetIterator):
+    """Batches over features and labels held in memory.
+
+    ``features``: ``[n, ...]`` tensor or numpy array, converted once to float32.
+    ``labels``: ``[n]`` integer class indices (-> int64) or ``[n, k]`` float targets
+    (-> float32). ``num_classes`` defaults to ``max(label) + 1`` for class indices.
+
+    >>> it = ArrayDataSetIterator(np.zeros((10, 3)), np.arange(10) % 2, batch_size=4)
+    >>> [b.num_examples() for b in it]
+    [4, 4, 2]
+    """
+
+    def __init__(
+        self,
+        features,
+        labels,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        limit: int | None = None,
+        *,
+        num_classes: int | None = None,
+    ):
+        self.batch_size = _positive_int(batch_size, "batch_size")
+        self.seed = _int(seed, "seed")
+        self.shuffle = bool(shuffle)
+        self.drop_last = bool(drop_last)
+        self.limit = None if limit is None else _positive_int(limit, "limit")
+
+        features = _as_tensor(features, "features")
+        labels = _as_tensor(labels, "labels")
+        if features.is_complex():
+            raise DataError(f"features must be real numbers, got dtype {features.dtype}")
+        if features.dim() < 2:
+            raise DataError(
+                f"features must be [n, ...] with at least 2 dimensions, got shape {tuple(features.shape)}; "
+                "for one value per example use features.reshape(-1, 1)"
+            )
+        n = features.shape[0]
+        if labels.shape[0] != n:
+            raise DataError(f"features has {n} rows but labels has {labels.shape[0]}; they must match")
+        if n == 0:
+            raise DataError("features and labels are empty (0 rows)")
+        if self.limit is not None:
+            if self.limit > n:
+                raise ValueError(f"limit={self.limit} exceeds the {n} examples available")
+            # Limit before converting: the dtype copy then only touches kept rows.
+            features, labels = features[: self.limit], labels[: self.limit]
+            n = self.limit
+        if self.drop_last and n < self.batch_size:
+            raise ValueError(
+                f"drop_last=True with batch_size={self.batch_size} and only {n} examples leaves no batch"
+            )
+
+        self.labels, self._num_classes = _prepare_labels(labels, num_classes)
+        self.features = features.to(torch.float32).contiguous()
+        self._n = n
+
+    # -- protocol ---------------------------------------------------------------
+
+    def __len__(self) -> int:
+        full, rest = divmod(self._n, self.batch_size)
+        return full if self.drop_last or rest == 0 else full + 1
+
+    def total_examples(self) -> int:
+        """Examples yielded per epoch: all of them, less the partial batch under drop_last."""
+        return self._n - self._n % self.batch_size if self.drop_last else self._n
+
+    def num_classes(self) -> int | None:
+        return self._num_classes
+
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.features.shape[1:])
+
+    def __iter__(self) -> Iterator[DataSet]:
+        # The epoch is taken now, not at the first next(), so iter() order is what counts.
+        epoch = self._take_epoch()
+        bs, stop = self.batch_size, self.total_examples()
+        if not self.shuffle:
+            return (self._batch(slice(i, min(i + bs, stop))) for i in range(0, stop, bs))
+        order = self.epoch_order(epoch).to(self.features.device)
+        return (self._batch(order[i : i + bs]) for i in range(0, stop, bs))
+
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        """Example indices in the order epoch ``epoch`` visits them (a pure function of seed, epoch)."""
+        if not self.shuffle:
+            return torch.arange(self._n)
+        generator = torch.Generator().manual_seed(self.seed + _non_negative_int(epoch, "epoch"))
+        return torch.randperm(self._n, generator=generator)
+
+    def _batch(self, indices: slice | torch.Tensor) -> DataSet:
+        # The only per-batch work: a view for slices, one gather per tensor otherwise.
+        if isinstance(indices, slice):
+            return DataSet(self.features[indices], self.labels[indices])
+        return DataSet(self.features.index_select(0, indices), self.labels.index_select(0, indices))
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(n={self._n}, batch_size={self.batch_size}, shuffle={self.shuffle}, "
+            f"seed={self.seed}, drop_last={self.drop_last})"
+        )
+
+
+def _prepare_labels(labels: torch.Tensor, num_classes: int | None) -> tuple[torch.Tensor, int | None]:
+    is_integer = not (labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool)
+    if labels.dim() == 1 and is_integer:
+        labels = labels.to(torch.int64).contiguous()
+        low, high = int(labels.min()), int(labels.max())
+        if low < 0:
+            row = int((labels < 0).nonzero()[0])
+            raise DataError(f"labels must be class indices >= 0, got {low} (row {row})")
+        if num_classes is None:
+            return labels, high + 1
+        num_classes = _positive_int(num_classes, "num_classes")
+        if high >= num_classes:
+            row = int((labels >= num_classes).nonzero()[0])
+            raise DataError(f"labels must be < num_classes={num_classes}, got {high} (row {row})")
+        return labels, num_classes
+    if labels.dim() == 2 and labels.is_floating_point():
+        if num_classes is not None:
+            raise ValueError("num_classes applies to class-index labels only; these are 2-D float targets")
+        return labels.to(torch.float32).contiguous(), None
+    hint = ""
+    if labels.dim() == 1 and labels.is_floating_point():
+        hint = "; for a regression target use labels.reshape(-1, 1), for classes convert to an integer dtype"
+    elif labels.dim() == 2:
+        hint = "; for one-hot labels pass labels.argmax(1), for regression convert to float"
+    raise DataError(
+        f"labels must be 1-D integer class indices or 2-D float targets, got shape "
+        f"{tuple(labels.shape)} dtype {labels.dtype}{hint}"
+    )
+
+
+def _as_tensor(value, name: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, np.ndarray):
+        if value.dtype == object or not (
+            np.issubdtype(value.dtype, np.number) or np.issubdtype(value.dtype, np.bool_)
+        ):
+            raise DataError(f"{name} must hold numbers, got numpy dtype {value.dtype}")
+        if not value.flags.writeable:
+            value = value.copy()  # torch cannot share read-only numpy memory
+        return torch.from_numpy(np.ascontiguousarray(value))
+    raise TypeError(f"{name} must be a torch.Tensor or numpy.ndarray, got {type(value).__name__}")
+
+
+def _int(value, name: str) -> int:
+    # bool is an int subclass; True as a batch size is surely a mistake.
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    return int(value)
+
+
+def _positive_int(value, name: str) -> int:
+    if _int(value, name) <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _non_negative_int(value, name: str) -> int:
+    if _int(value, name) < 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    return int(value)

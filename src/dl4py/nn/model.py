@@ -1,0 +1,202 @@
+"""Model: what the trainers need from a network, shared by MultiLayerNetwork and TorchModel.
+
+A model owns a torch module, its optimizer, a loss, the backend it runs on, a precision
+policy, and its training counters (epochs, iterations, position in the current epoch).
+``fit``, ``output``, ``score``, ``evaluate`` and ``save`` are the same for every model.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+from dl4py.backend import Backend, Precision, resolve_backend, resolve_precision
+from dl4py.data.dataset import DataSet
+from dl4py.errors import BackendError, DataError
+
+if TYPE_CHECKING:
+    from dl4py.eval import Evaluation
+
+
+class Model:
+    kind = "model"
+
+    def __init__(self, backend: str | Backend | None = None, precision: str | Precision | None = None):
+        self._requested_backend = backend
+        self._requested_precision = precision
+        self.backend: Backend | None = None
+        self.precision: Precision | None = None
+        self.module: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.seed = 0  # seeds in-step randomness (dropout) per epoch
+        self.epoch_count = 0  # completed epochs
+        self.iteration_count = 0  # optimizer steps taken
+        self.batch_in_epoch = 0  # batches done in the current, unfinished epoch
+        self._last_score: torch.Tensor | None = None
+        self._train_step = None
+
+    # ---- hooks for subclasses ---------------------------------------------------------
+    def _build(self, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, torch.optim.Optimizer]:
+        raise NotImplementedError
+
+    def loss(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def activate(self, outputs: torch.Tensor) -> torch.Tensor:
+        """Module outputs -> predictions (the output layer's activation)."""
+        return outputs
+
+    def check_features(self, features: torch.Tensor, where: str) -> None:
+        """Raise DataError when ``features`` cannot go into this network."""
+
+    def check_labels(self, labels: torch.Tensor, where: str) -> None:
+        """Raise DataError when ``labels`` do not fit the output layer."""
+
+    # ---- life cycle -------------------------------------------------------------------
+    def init(self) -> "Model":
+        """Create the parameters on the chosen backend, in the chosen precision. Idempotent."""
+        if self.module is not None:
+            return self
+        backend = self._requested_backend
+        self.backend = backend if isinstance(backend, Backend) else resolve_backend(backend)
+        self.precision = resolve_precision(self._requested_precision)
+        self._check_precision_supported()
+        self.module, self.optimizer = self._build(self.backend.device, self.precision.param_dtype)
+        return self
+
+    def _check_precision_supported(self) -> None:
+        device = self.backend.device
+        wants_bf16 = torch.bfloat16 in (self.precision.param_dtype, self.precision.autocast_dtype)
+        if device.type == "cuda" and wants_bf16 and not torch.cuda.is_bf16_supported():
+            raise BackendError(
+                f"precision {self.precision} needs bfloat16, which "
+                f"{torch.cuda.get_device_name(device)} does not support; use 'half' or 'mixed-fp16'"
+            )
+
+    @property
+    def device(self) -> torch.device:
+        self.init()
+        return self.backend.device
+
+    def num_params(self) -> int:
+        self.init()
+        return sum(p.numel() for p in self.module.parameters())
+
+    # ---- training ----------------------------------------------------------------------
+    def fit(self, data, epochs: int = 1, listeners: Iterable = (), batch_size: int | None = None):
+        """Train for ``epochs`` more epochs on a DataSetIterator (or a DataSet / (x, y) pair).
+
+        Returns the list of per-epoch summaries. Ctrl-C stops after the current step,
+        leaves the model consistent and raises ``TrainingInterrupted``.
+        """
+        from dl4py.train.loop import fit
+
+        return fit(self, as_iterator(data, batch_size), epochs, list(listeners))
+
+    def score(self, data=None) -> float:
+        """Loss of the last training minibatch (DL4J's ``score()``), or mean loss on ``data``."""
+        if data is None:
+            if self._last_score is None:
+                raise RuntimeError("score(): the model has not been trained yet; pass data to score it")
+            return float(self._last_score)
+        total, count = 0.0, 0
+        with self._inference():
+            for batch in as_iterator(data, None):
+                x, y = self._prepare(batch)
+                with self.precision.forward_context(self.backend.device):
+                    total += float(self.loss(self.module(x), y)) * x.shape[0]
+                count += x.shape[0]
+        return total / max(count, 1)
+
+    # ---- inference ---------------------------------------------------------------------
+    def output(self, features, batch_size: int = 4096) -> torch.Tensor:
+        """Predictions for ``features`` (numpy or tensor, ``[n, ...]``), on the model's device."""
+        self.init()
+        x = _as_tensor(features, "features")
+        self.check_features(x, "output(features)")
+        outs = []
+        with self._inference():
+            for start in range(0, x.shape[0], batch_size):
+                chunk = self.precision.convert_input(x[start : start + batch_size].to(self.backend.device))
+                with self.precision.forward_context(self.backend.device):
+                    outs.append(self.activate(self.module(chunk)))
+        return torch.cat(outs) if outs else torch.empty(0)
+
+    def evaluate(self, data) -> "Evaluation":
+        """Classification statistics over every batch of ``data``."""
+        from dl4py.eval import Evaluation
+
+        evaluation = Evaluation()
+        with self._inference():
+            for batch in as_iterator(data, None):
+                x, y = self._prepare(batch)
+                with self.precision.forward_context(self.backend.device):
+                    scores = self.module(x)
+                evaluation.eval(y, scores)
+        return evaluation
+
+    def _prepare(self, batch: DataSet) -> tuple[torch.Tensor, torch.Tensor]:
+        device = self.backend.device
+        x = self.precision.convert_input(batch.features.to(device, non_blocking=True))
+        return x, batch.labels.to(device, non_blocking=True)
+
+    def _inference(self):
+        self.init()
+        return _InferenceMode(self.module)
+
+    # ---- persistence ---------------------------------------------------------------------
+    def save(self, path, save_updater: bool = True) -> None:
+        """Write the model (config, weights, updater state, counters) atomically to ``path``."""
+        from dl4py.nn.serialization import save_model
+
+        save_model(self, path, save_updater=save_updater)
+
+
+class _InferenceMode:
+    """Eval mode and no grad for the duration; restores the module's previous mode."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __enter__(self):
+        self.was_training = self.module.training
+        self.module.eval()
+        self.no_grad = torch.no_grad()
+        self.no_grad.__enter__()
+
+    def __exit__(self, *exc):
+        self.no_grad.__exit__(*exc)
+        self.module.train(self.was_training)
+
+
+def _as_tensor(value, name: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, np.ndarray):
+        tensor = torch.from_numpy(value)
+        return tensor.float() if tensor.is_floating_point() else tensor
+    raise DataError(f"{name} must be a torch tensor or numpy array, got {type(value).__name__}")
+
+
+def as_iterator(data, batch_size: int | None):
+    """Accept a DataSetIterator, a DataSet, or a (features, labels) pair."""
+    from dl4py.data import ArrayDataSetIterator, DataSetIterator
+
+    if isinstance(data, DataSetIterator):
+        if batch_size is not None:
+            raise ValueError("batch_size applies to arrays; a DataSetIterator has its own batch size")
+        return data
+    if isinstance(data, DataSet):
+        features, labels = data.features, data.labels
+    elif isinstance(data, (tuple, list)) and len(data) == 2:
+        features, labels = _as_tensor(data[0], "features"), _as_tensor(data[1], "labels")
+    else:
+        raise DataError(
+            f"expected a DataSetIterator, a DataSet or a (features, labels) pair, got {type(data).__name__}"
+        )
+    return ArrayDataSetIterator(
+        features, labels, batch_size=batch_size or max(len(features), 1), shuffle=False
+    )

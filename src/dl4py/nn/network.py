@@ -1,0 +1,89 @@
+"""MultiLayerNetwork: a network built from a NetworkConfig (DL4J's class of that name)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dl4py.backend import Backend, Precision
+from dl4py.config.network import NetworkConfig
+from dl4py.errors import DataError
+from dl4py.nn.builder import OutputLoss, build_module
+from dl4py.nn.model import Model
+from dl4py.nn.optimizers import make_optimizer, param_groups
+from dl4py.nn.summary import summary_table
+
+
+class MultiLayerNetwork(Model):
+    """A sequential network from ``config``. Example::
+
+        net = MultiLayerNetwork(conf).init()
+        net.fit(MnistDataSetIterator(128, train=True, seed=12345), epochs=1)
+        print(net.evaluate(MnistDataSetIterator(128, train=False, seed=12345)).stats())
+    """
+
+    kind = "multilayer"
+
+    def __init__(
+        self,
+        config: NetworkConfig,
+        backend: str | Backend | None = None,
+        precision: str | Precision | None = None,
+    ):
+        if not isinstance(config, NetworkConfig):
+            raise TypeError(f"MultiLayerNetwork needs a NetworkConfig, got {type(config).__name__}")
+        super().__init__(backend, precision)
+        self.config = config
+        self.seed = config.seed
+        self._loss = OutputLoss(config.layers[-1])
+        self._shapes = config.layer_shapes()
+
+    def _build(self, device: torch.device, dtype: torch.dtype):
+        # Parameters come from a generator seeded by the config, so the same config and
+        # seed give the same network whatever else the program did with torch's RNG.
+        generator = torch.Generator().manual_seed(self.config.seed)
+        module = build_module(self.config, generator).to(device=device, dtype=dtype)
+        optimizer = make_optimizer(self.config.updater, param_groups(self.config, module))
+        return module, optimizer
+
+    def loss(self, outputs, labels):
+        return self._loss(outputs, labels)
+
+    def activate(self, outputs):
+        return self._loss.activate(outputs)
+
+    @property
+    def n_out(self) -> int:
+        return self.config.layers[-1].n_out
+
+    def check_features(self, features: torch.Tensor, where: str) -> None:
+        expected = self.config.input_type.example_shape()
+        if tuple(features.shape[1:]) != expected:
+            raise DataError(
+                f"{where}: features have shape {list(features.shape)} but the network's input type "
+                f"{self.config.input_type.type_name} expects [n, {', '.join(map(str, expected))}]"
+            )
+
+    def check_labels(self, labels: torch.Tensor, where: str) -> None:
+        if labels.dim() == 1:
+            if labels.is_floating_point():
+                raise DataError(f"{where}: 1-D labels must be integer class indices, got {labels.dtype}")
+            if labels.numel():
+                low, high = int(labels.min()), int(labels.max())
+                if low < 0 or high >= self.n_out:
+                    bad = low if low < 0 else high
+                    raise DataError(
+                        f"{where}: label {bad} is outside the output layer's {self.n_out} classes "
+                        f"[0, {self.n_out})"
+                    )
+        elif labels.dim() != 2 or labels.shape[1] != self.n_out:
+            raise DataError(
+                f"{where}: labels have shape {list(labels.shape)} but the output layer has "
+                f"{self.n_out} outputs: give [n] class indices or [n, {self.n_out}] targets"
+            )
+
+    def summary(self) -> str:
+        """Per layer: type, input and output shapes, parameter count; then the total."""
+        self.init()
+        table, _ = summary_table(self.config, self.module)
+        return f"{table}  (precision {self.precision}, backend {self.backend})"

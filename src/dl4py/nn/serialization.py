@@ -1,0 +1,148 @@
+"""Save and load models: one zip file, no pickles (DL4J's ModelSerializer).
+
+Entries: ``meta.json`` (format, kind, counters, precision, versions), ``config.json``
+(MultiLayerNetwork only: the network is rebuilt by its constructor), ``weights.safetensors``
+(parameters and buffers), and when asked ``updater.json`` + ``updater.safetensors``
+(the optimizer's state). The file is written to a temporary name and renamed, so a crash
+mid-save leaves the previous file intact.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from dl4py.errors import DataError
+from dl4py.io import atomic_write_bytes
+
+FORMAT = "dl4py-model"
+FORMAT_VERSION = 1
+
+
+def save_model(model, path, save_updater: bool = True) -> None:
+    from dl4py import __version__
+
+    model.init()
+    meta = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "kind": model.kind,
+        "dl4py_version": __version__,
+        "torch_version": torch.__version__,
+        "precision": model.precision.name,
+        "epoch_count": model.epoch_count,
+        "iteration_count": model.iteration_count,
+        "batch_in_epoch": model.batch_in_epoch,
+        "score": None if model._last_score is None else float(model._last_score),
+        "module_class": f"{type(model.module).__module__}.{type(model.module).__qualname__}",
+        "has_updater": save_updater,
+    }
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_STORED) as zf:
+        zf.writestr("meta.json", json.dumps(meta, indent=2))
+        if model.kind == "multilayer":
+            zf.writestr("config.json", model.config.to_json())
+        zf.writestr("weights.safetensors", st_save(_cpu_tensors(model.module.state_dict())))
+        if save_updater:
+            state_json, state_tensors = _split_optimizer_state(model.optimizer.state_dict())
+            zf.writestr("updater.json", json.dumps(state_json))
+            zf.writestr("updater.safetensors", st_save(state_tensors))
+    atomic_write_bytes(path, buffer.getvalue())
+
+
+def load(path, into=None, backend=None, precision=None):
+    """Restore a saved model. A MultiLayerNetwork is rebuilt from its config; a TorchModel's
+    weights are loaded ``into`` a TorchModel you construct with the same module class."""
+    from dl4py.config.network import NetworkConfig
+    from dl4py.nn.network import MultiLayerNetwork
+
+    path = Path(path)
+    entries = _read_entries(path)
+    meta = json.loads(entries["meta.json"])
+    if meta.get("format") != FORMAT:
+        raise DataError(f"{path}: not a dl4py model file (format {meta.get('format')!r})")
+    if meta["format_version"] > FORMAT_VERSION:
+        raise DataError(
+            f"{path}: saved by a newer dl4py (format {meta['format_version']}); upgrade dl4py to read it"
+        )
+    precision = precision or meta["precision"]
+    if meta["kind"] == "multilayer":
+        if into is not None:
+            raise ValueError(f"{path} holds a MultiLayerNetwork; it is rebuilt from its config, drop into=")
+        config = NetworkConfig.from_json(entries["config.json"].decode())
+        model = MultiLayerNetwork(config, backend=backend, precision=precision)
+    else:
+        if into is None:
+            raise DataError(
+                f"{path} holds the weights of a plain torch module ({meta['module_class']}); rebuild it "
+                "and pass it: dl4py.load(path, into=TorchModel(MyModule(), loss, optimizer))"
+            )
+        model = into
+    model.init()
+    weights = st_load(entries["weights.safetensors"])
+    try:
+        model.module.load_state_dict(weights)
+    except RuntimeError as exc:
+        raise DataError(f"{path}: the saved weights do not fit the model: {exc}") from None
+    if meta.get("has_updater") and "updater.json" in entries:
+        state = _join_optimizer_state(
+            json.loads(entries["updater.json"]), st_load(entries["updater.safetensors"])
+        )
+        model.optimizer.load_state_dict(state)
+    model.epoch_count = meta["epoch_count"]
+    model.iteration_count = meta["iteration_count"]
+    model.batch_in_epoch = meta.get("batch_in_epoch", 0)
+    if meta.get("score") is not None:
+        model._last_score = torch.tensor(meta["score"])
+    return model
+
+
+def _read_entries(path: Path) -> dict[str, bytes]:
+    try:
+        # ZipFile.read checks each entry's CRC, so a flipped byte is caught here.
+        with zipfile.ZipFile(path) as zf:
+            entries = {name: zf.read(name) for name in zf.namelist()}
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such model file") from None
+    except zipfile.BadZipFile as exc:
+        raise DataError(f"{path}: not a readable dl4py model file ({exc}); it may be truncated") from None
+    for required in ("meta.json", "weights.safetensors"):
+        if required not in entries:
+            raise DataError(f"{path}: missing entry {required}; not a complete dl4py model file")
+    return entries
+
+
+def _cpu_tensors(tensors: dict) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+
+
+def _split_optimizer_state(state_dict: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Optimizer state -> (JSON part, tensors keyed ``param_id/name``)."""
+    tensors, scalars = {}, {}
+    for pid, entries in state_dict["state"].items():
+        for name, value in entries.items():
+            if torch.is_tensor(value):
+                tensors[f"{pid}/{name}"] = value.detach().to("cpu").contiguous().clone()
+            else:
+                scalars.setdefault(str(pid), {})[name] = value
+    return {"param_groups": state_dict["param_groups"], "scalars": scalars}, tensors
+
+
+def _join_optimizer_state(state_json: dict, tensors: dict[str, torch.Tensor]) -> dict:
+    state: dict[int, dict] = {}
+    for key, value in tensors.items():
+        pid, name = key.split("/", 1)
+        state.setdefault(int(pid), {})[name] = value
+    for pid, entries in state_json["scalars"].items():
+        state.setdefault(int(pid), {}).update(entries)
+    groups = state_json["param_groups"]
+    for group in groups:
+        if isinstance(group.get("betas"), list):
+            group["betas"] = tuple(group["betas"])
+    return {"state": state, "param_groups": groups}

@@ -1,0 +1,32 @@
+"""Per-layer summary table of a MultiLayerNetwork (DL4J's ``summary()``)."""
+
+from __future__ import annotations
+
+import torch
+
+from dl4py.config.network import NetworkConfig
+from dl4py.nn.builder import build_module
+
+
+def summary_table(config: NetworkConfig, module: torch.nn.Sequential | None = None) -> tuple[str, int]:
+    """The table and the total parameter count. Without ``module`` the network is built on
+    PyTorch's meta device: shapes and counts without allocating any memory."""
+    if module is None:
+        with torch.device("meta"):
+            module = build_module(config, torch.Generator())
+    rows = [("#", "layer", "input", "output", "params")]
+    total = 0
+    for shapes, layer_module in zip(config.layer_shapes(), module):
+        count = sum(p.numel() for p in layer_module.parameters())
+        total += count
+        rows.append((str(shapes.index), shapes.layer.type_name, str(shapes.input), str(shapes.output), f"{count:,}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join(cell.rjust(w) if i in (0, 4) else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths)))
+        for r in rows
+    ]
+    rule = "-" * len(lines[0])
+    lines.insert(1, rule)
+    lines.append(rule)
+    lines.append(f"Total parameters: {total:,}")
+    return "\n".join(lines), total

@@ -1,0 +1,205 @@
+"""One training run from a RunConfig, recorded in its own directory.
+
+The directory holds ``config.yaml`` (the resolved config), ``environment.json``
+(versions, device), ``metrics.jsonl`` (written as training goes), ``checkpoint.dl4py``
+(latest state, for ``--resume``), ``model.dl4py`` (the final model),
+``evaluation.txt`` and ``result.json``. ``dl4py train`` is a thin layer over ``train_run``.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+from dl4py.config.run import DataConfig, RunConfig
+from dl4py.errors import ConfigError
+from dl4py.io import atomic_write_json, atomic_write_text
+from dl4py.nn.network import MultiLayerNetwork
+from dl4py.nn.serialization import load
+from dl4py.train.listeners import (
+    CheckpointListener,
+    MetricsLogger,
+    PerformanceListener,
+    ProgressBar,
+    ScoreIterationListener,
+)
+from dl4py.train.loop import TrainingInterrupted
+
+log = logging.getLogger("dl4py")
+
+CHECKPOINT = "checkpoint.dl4py"
+MODEL = "model.dl4py"
+
+
+def make_iterators(data: DataConfig, batch_size: int, input_shape: tuple[int, ...]):
+    """Training and test iterators for the data section (test is None when there is none)."""
+    from dl4py.data import CsvDataSetIterator, MnistDataSetIterator
+
+    if data.dataset == "mnist":
+        train = MnistDataSetIterator(
+            batch_size, train=True, seed=data.seed, shuffle=data.shuffle, limit=data.limit_train
+        )
+        test = MnistDataSetIterator(batch_size, train=False, seed=data.seed, shuffle=False, limit=data.limit_test)
+    else:
+        def csv(path, limit, shuffle):
+            return CsvDataSetIterator(
+                path, batch_size, label_index=data.label_index, num_classes=data.num_classes,
+                skip_lines=data.skip_lines, shuffle=shuffle, seed=data.seed, limit=limit,
+            )
+
+        train = csv(data.train_path, data.limit_train, data.shuffle)
+        test = csv(data.test_path, data.limit_test, False) if data.test_path else None
+    if tuple(train.input_shape()) != tuple(input_shape):
+        raise ConfigError(
+            "network.input_type",
+            f"gives examples of shape {list(input_shape)} but the {data.dataset} data has "
+            f"{list(train.input_shape())}",
+        )
+    return train, test
+
+
+def new_run_dir(config_name: str, root: Path = Path("runs")) -> Path:
+    """A fresh directory; exclusive creation, so two runs never share one."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    root.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 1000):
+        path = root / (f"{config_name}-{stamp}" + (f"-{n}" if n > 1 else ""))
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"cannot create a new run directory under {root}")
+
+
+def environment_record(model) -> dict:
+    device = model.backend.device
+    record = {
+        "dl4py": __import__("dl4py").__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_threads": torch.get_num_threads(),
+        "backend": model.backend.name,
+        "backend_reason": model.backend.reason,
+        "device": str(device),
+        "precision": model.precision.name,
+        "cuda": torch.version.cuda,
+    }
+    if device.type == "cuda":
+        record["device_name"] = torch.cuda.get_device_name(device)
+    return record
+
+
+def train_run(
+    config: RunConfig,
+    output: str | Path | None = None,
+    resume: bool = False,
+    config_name: str = "run",
+    progress: bool | None = None,
+) -> dict:
+    """Train as ``config`` says, record everything in the run directory, return ``result.json``'s content."""
+    started = time.perf_counter()
+    if config.training.workers != 1:
+        raise ConfigError(
+            "training.workers",
+            f"is {config.training.workers}, but parallel training (ParallelWrapper) is not available "
+            "in this version; use 1",
+        )
+    run_dir = _prepare_run_dir(output, resume, config_name)
+    network = config.network
+    model = MultiLayerNetwork(network, backend=config.training.backend, precision=config.training.precision)
+    checkpoint = run_dir / CHECKPOINT
+    if resume:
+        saved = RunConfig.from_file(run_dir / "config.yaml")
+        if saved.network != network:
+            raise ConfigError(
+                "network", f"differs from the network of the run being resumed in {run_dir}; resume with its config.yaml"
+            )
+        model = load(checkpoint, backend=config.training.backend, precision=config.training.precision)
+        log.info("resuming %s at epoch %d, iteration %d", run_dir, model.epoch_count, model.iteration_count)
+    model.init()
+    atomic_write_text(run_dir / "config.yaml", config.to_yaml())
+    atomic_write_json(run_dir / "environment.json", environment_record(model))
+
+    train, test = make_iterators(config.data, config.training.batch_size, network.input_type.example_shape())
+    epochs_left = max(config.training.epochs - model.epoch_count, 0)
+    metrics = MetricsLogger(run_dir / "metrics.jsonl", every=config.training.score_every)
+    listeners = [metrics, PerformanceListener(report=False), CheckpointListener(checkpoint)]
+    if config.training.score_every:
+        listeners.append(ScoreIterationListener(config.training.score_every))
+    if progress if progress is not None else sys.stderr.isatty():
+        listeners.append(ProgressBar(epochs_left, len(train)))
+
+    result = {"status": "running", "run_dir": str(run_dir)}
+    try:
+        summaries = model.fit(train, epochs=epochs_left, listeners=listeners)
+    except TrainingInterrupted:
+        result.update(_result_fields(config, model, [], None, started), status="interrupted")
+        atomic_write_json(run_dir / "result.json", result)
+        raise
+    evaluation = model.evaluate(test) if test is not None else None
+    model.save(run_dir / MODEL)
+    if evaluation is not None:
+        atomic_write_text(run_dir / "evaluation.txt", evaluation.stats())
+        metrics.write({"kind": "evaluation", "epoch": model.epoch_count, **_eval_fields(evaluation)})
+    result.update(_result_fields(config, model, summaries, evaluation, started), status="completed")
+    atomic_write_json(run_dir / "result.json", result)
+    return result
+
+
+def _prepare_run_dir(output, resume: bool, config_name: str) -> Path:
+    if output is None:
+        if resume:
+            raise ConfigError("--resume", "needs --output: the run directory to continue")
+        return new_run_dir(config_name)
+    run_dir = Path(output)
+    if resume:
+        if not (run_dir / CHECKPOINT).exists():
+            raise ConfigError("--resume", f"{run_dir} holds no {CHECKPOINT} to resume from")
+        return run_dir
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise ConfigError(
+            "--output", f"{run_dir} already holds files; choose another directory or pass --resume to continue it"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def _eval_fields(evaluation) -> dict:
+    return {
+        "test_accuracy": evaluation.accuracy(),
+        "test_precision": evaluation.precision(),
+        "test_recall": evaluation.recall(),
+        "test_f1": evaluation.f1(),
+        "test_examples": evaluation.num_examples(),
+    }
+
+
+def _result_fields(config: RunConfig, model, summaries, evaluation, started: float) -> dict:
+    examples = sum(s.examples for s in summaries)
+    seconds = sum(s.seconds for s in summaries)
+    fields = {
+        "epochs": model.epoch_count,
+        "iterations": model.iteration_count,
+        "final_score": None if model._last_score is None else float(model._last_score),
+        "train_samples_per_second": examples / seconds if seconds > 0 else None,
+        "wall_seconds": time.perf_counter() - started,
+        "backend": model.backend.name,
+        "device": str(model.backend.device),
+        "workers": config.training.workers,
+        "precision": model.precision.name,
+        "batch_size": config.training.batch_size,
+        "epoch_summaries": [s.to_dict() for s in summaries],
+    }
+    if evaluation is not None:
+        fields.update(_eval_fields(evaluation))
+    else:
+        fields["test_accuracy"] = None
+    return fields

@@ -1,0 +1,173 @@
+"""Training listeners (DL4J's TrainingListener family): score, speed, progress, metrics, checkpoints.
+
+A listener sees the loss as a device tensor and converts it only when it reports, so a
+quiet listener costs nothing per step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger("dl4py")
+
+
+class TrainingListener:
+    def on_fit_start(self, model) -> None: ...
+    def on_epoch_start(self, model, epoch: int) -> None: ...
+    def iteration_done(self, model, iteration: int, epoch: int, loss, batch_size: int) -> None: ...
+    def on_epoch_end(self, model, summary) -> None: ...
+    def on_fit_end(self, model, interrupted: bool) -> None: ...
+
+
+class ScoreIterationListener(TrainingListener):
+    """Logs the minibatch score every ``print_every`` iterations."""
+
+    def __init__(self, print_every: int = 10):
+        if print_every <= 0:
+            raise ValueError(f"ScoreIterationListener: print_every must be positive, got {print_every}")
+        self.print_every = print_every
+        self.history: list[tuple[int, float]] = []
+
+    def iteration_done(self, model, iteration, epoch, loss, batch_size):
+        if iteration % self.print_every == 0:
+            score = float(loss)
+            self.history.append((iteration, score))
+            log.info("Score at iteration %d is %.6f", iteration, score)
+
+
+class PerformanceListener(TrainingListener):
+    """Samples/s and batches/s over each window of ``frequency`` iterations."""
+
+    def __init__(self, frequency: int = 100, report: bool = True):
+        if frequency <= 0:
+            raise ValueError(f"PerformanceListener: frequency must be positive, got {frequency}")
+        self.frequency = frequency
+        self.report = report
+        self.samples_per_second = 0.0
+        self.batches_per_second = 0.0
+        self._start = None
+        self._samples = 0
+        self._batches = 0
+
+    def on_epoch_start(self, model, epoch):
+        self._start, self._samples, self._batches = time.perf_counter(), 0, 0
+
+    def iteration_done(self, model, iteration, epoch, loss, batch_size):
+        self._samples += batch_size
+        self._batches += 1
+        if self._batches >= self.frequency:
+            elapsed = time.perf_counter() - self._start
+            self.samples_per_second = self._samples / elapsed
+            self.batches_per_second = self._batches / elapsed
+            if self.report:
+                log.info(
+                    "iteration %d: %.1f samples/s, %.2f batches/s",
+                    iteration, self.samples_per_second, self.batches_per_second,
+                )
+            self._start, self._samples, self._batches = time.perf_counter(), 0, 0
+
+
+class ProgressBar(TrainingListener):
+    """One line per epoch on stderr: batches done, speed, ETA. Redrawn at most 4 times a second."""
+
+    def __init__(self, total_epochs: int, batches_per_epoch: int, stream=None, interval: float = 0.25):
+        self.total_epochs = total_epochs
+        self.batches = batches_per_epoch
+        self.stream = stream or sys.stderr
+        self.interval = interval
+        self._first_epoch = None
+
+    def on_epoch_start(self, model, epoch):
+        if self._first_epoch is None:
+            self._first_epoch = epoch
+        self._epoch, self._done, self._start, self._last = epoch, model.batch_in_epoch, time.perf_counter(), 0.0
+
+    def iteration_done(self, model, iteration, epoch, loss, batch_size):
+        self._done += 1
+        now = time.perf_counter()
+        if now - self._last >= self.interval or self._done == self.batches:
+            self._last = now
+            self._draw(now, float(loss))
+
+    def _draw(self, now: float, score: float) -> None:
+        elapsed = now - self._start
+        rate = self._done / elapsed if elapsed > 0 else 0.0
+        remaining = (self.batches - self._done) / rate if rate > 0 else 0.0
+        width = 24
+        filled = int(width * self._done / max(self.batches, 1))
+        bar = "=" * filled + ">" * (filled < width) + " " * (width - filled - 1)
+        epoch_no = self._epoch - self._first_epoch + 1
+        self.stream.write(
+            f"\repoch {epoch_no}/{self.total_epochs} [{bar[:width]}] {self._done}/{self.batches} "
+            f"{rate:.1f} it/s score {score:.4f} ETA {_clock(remaining)} "
+        )
+        self.stream.flush()
+
+    def on_epoch_end(self, model, summary):
+        self.stream.write("\n")
+        self.stream.flush()
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class MetricsLogger(TrainingListener):
+    """Appends JSON lines to ``path``: the score every ``every`` iterations and each epoch's summary."""
+
+    def __init__(self, path, every: int = 100):
+        self.path = Path(path)
+        self.every = every
+        self._file = None
+        self._t0 = None
+
+    def on_fit_start(self, model):
+        if self._t0 is None:
+            self._t0 = time.time()
+
+    def iteration_done(self, model, iteration, epoch, loss, batch_size):
+        if self.every and iteration % self.every == 0:
+            self._write({"kind": "iteration", "iteration": iteration, "epoch": epoch, "score": float(loss)})
+
+    def on_epoch_end(self, model, summary):
+        self._write({"kind": "epoch", "iteration": model.iteration_count, **summary.to_dict()})
+
+    def write(self, record: dict) -> None:
+        """Add a record of your own (e.g. an evaluation) to the same file."""
+        self._write(record)
+
+    def _write(self, record: dict) -> None:
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a", buffering=1)  # line-buffered: each record lands whole
+        if self._t0 is None:
+            self._t0 = time.time()
+        record = {"time": round(time.time() - self._t0, 3), **record}
+        self._file.write(json.dumps(record) + "\n")
+
+    def on_fit_end(self, model, interrupted):
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class CheckpointListener(TrainingListener):
+    """Saves the model (with updater state) atomically at each epoch end and when training is interrupted."""
+
+    def __init__(self, path, every_epochs: int = 1):
+        self.path = Path(path)
+        self.every_epochs = every_epochs
+
+    def on_epoch_end(self, model, summary):
+        if model.epoch_count % self.every_epochs == 0:
+            model.save(self.path)
+
+    def on_fit_end(self, model, interrupted):
+        if interrupted:
+            model.save(self.path)
+            log.info("checkpoint saved to %s (iteration %d)", self.path, model.iteration_count)

@@ -1,0 +1,138 @@
+"""The single-device training loop: epochs of steps, listeners, resume, clean Ctrl-C.
+
+Hot-path rule: nothing here forces a device synchronisation per step. Losses stay on the
+device; listeners read them only when they report, and the NaN check looks at a running
+sum every ``NAN_CHECK_EVERY`` steps and at the end of each epoch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from dl4py.errors import DL4PyError, TrainingError
+from dl4py.train.interrupt import DeferredInterrupt
+from dl4py.train.step import make_train_step
+
+NAN_CHECK_EVERY = 100
+
+
+class TrainingInterrupted(DL4PyError):
+    """Training was stopped by Ctrl-C; the model holds the state after the last full step."""
+
+
+@dataclass
+class EpochSummary:
+    epoch: int  # 0-based index of the epoch that ended
+    batches: int
+    examples: int
+    mean_loss: float
+    seconds: float
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.examples / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "samples_per_second": self.samples_per_second}
+
+
+def fit(model, iterator, epochs: int, listeners: list) -> list[EpochSummary]:
+    if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 0:
+        raise ValueError(f"fit: epochs must be a non-negative integer, got {epochs!r}")
+    model.init()
+    model.module.train()
+    if model._train_step is None:
+        model._train_step = make_train_step(model)
+    summaries: list[EpochSummary] = []
+    interrupted = False
+    with DeferredInterrupt() as interrupt:
+        for listener in listeners:
+            listener.on_fit_start(model)
+        try:
+            for _ in range(epochs):
+                summary = _run_epoch(model, iterator, listeners, interrupt)
+                if summary is None:
+                    interrupted = True
+                    break
+                summaries.append(summary)
+                for listener in listeners:
+                    listener.on_epoch_end(model, summary)
+        finally:
+            for listener in listeners:
+                listener.on_fit_end(model, interrupted)
+    if interrupted:
+        raise TrainingInterrupted(
+            f"training stopped by Ctrl-C after iteration {model.iteration_count} "
+            f"(epoch {model.epoch_count}, batch {model.batch_in_epoch}); the model is consistent"
+        )
+    return summaries
+
+
+def _run_epoch(model, iterator, listeners, interrupt) -> EpochSummary | None:
+    """One epoch (or the rest of one, after a resume). None when interrupted."""
+    epoch = model.epoch_count
+    if hasattr(iterator, "set_epoch"):
+        iterator.set_epoch(epoch)
+    skip = model.batch_in_epoch
+    step = model._train_step
+    for listener in listeners:
+        listener.on_epoch_start(model, epoch)
+    device = model.backend.device
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    batches = examples = 0
+    started = time.perf_counter()
+    with _epoch_rng(model, epoch):
+        for index, batch in enumerate(iterator):
+            if index < skip:
+                continue  # resumed mid-epoch: these batches were trained before the stop
+            features, labels = model._prepare(batch)
+            if batches == 0:
+                model.check_features(features, f"epoch {epoch}, batch {index}")
+                model.check_labels(labels, f"epoch {epoch}, batch {index}")
+            loss = step(features, labels)
+            model._last_score = loss
+            model.iteration_count += 1
+            model.batch_in_epoch = index + 1
+            batches += 1
+            examples += features.shape[0]
+            loss_sum += loss
+            for listener in listeners:
+                listener.iteration_done(model, model.iteration_count, epoch, loss, features.shape[0])
+            if batches % NAN_CHECK_EVERY == 0:
+                _check_finite(model, loss_sum, epoch)
+            if interrupt.requested:
+                return None
+    _check_finite(model, loss_sum, epoch)
+    model.epoch_count += 1
+    model.batch_in_epoch = 0
+    seconds = time.perf_counter() - started
+    mean = float(loss_sum) / batches if batches else float("nan")
+    return EpochSummary(epoch, batches, examples, mean, seconds)
+
+
+def _check_finite(model, loss_sum: torch.Tensor, epoch: int) -> None:
+    if not bool(torch.isfinite(loss_sum)):
+        remedy = {
+            "half": "use 'mixed-fp16' (loss scaling) or 'bfloat16', or lower the learning rate",
+            "mixed-fp16": "lower the learning rate, or use 'mixed-bf16'",
+        }.get(model.precision.name, "lower the learning rate or check the data for NaN/inf values")
+        raise TrainingError(
+            f"the loss became NaN or infinite in epoch {epoch} (by iteration {model.iteration_count}) "
+            f"with precision '{model.precision}'; {remedy}"
+        )
+
+
+def _epoch_rng(model, epoch: int):
+    """Seed dropout and other in-step randomness from (seed, epoch), without touching the
+    caller's global RNG, so a run resumed at an epoch boundary draws the same masks."""
+    seed = getattr(model, "seed", 0)
+    device = model.backend.device
+    devices = [device.index or 0] if device.type == "cuda" else []
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.random.fork_rng(devices=devices))
+    torch.manual_seed(seed * 1_000_003 + epoch)
+    return stack
