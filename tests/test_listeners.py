@@ -1,0 +1,52 @@
+"""Listeners: progress bar with ETA, performance, metrics file."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import torch
+
+from dl4py import DenseLayer, InputType, MultiLayerNetwork, NetworkConfig, OutputLayer, Sgd
+from dl4py.train import MetricsLogger, PerformanceListener, ProgressBar
+
+
+def tiny_net():
+    return MultiLayerNetwork(NetworkConfig(
+        layers=[DenseLayer(n_out=8, activation="relu"), OutputLayer(n_out=3)],
+        input_type=InputType.feed_forward(5), updater=Sgd(0.1), seed=1,
+    ))
+
+
+DATA = (torch.rand(100, 5), torch.randint(0, 3, (100,)))
+
+
+def test_progress_bar_shows_batches_speed_and_eta():
+    stream = io.StringIO()
+    net = tiny_net()
+    net.fit(DATA, epochs=2, batch_size=10, listeners=[ProgressBar(2, 10, stream=stream, interval=0.0)])
+    text = stream.getvalue()
+    assert "epoch 1/2" in text and "epoch 2/2" in text
+    assert "10/10" in text and "ETA 0:00:00" in text and "it/s" in text
+    assert text.count("\n") == 2  # one finished line per epoch
+
+
+def test_performance_listener_measures_throughput():
+    perf = PerformanceListener(frequency=5, report=False)
+    tiny_net().fit(DATA, epochs=1, batch_size=10, listeners=[perf])
+    assert perf.samples_per_second > 0
+    assert perf.samples_per_second / perf.batches_per_second == 10  # batch size
+
+
+def test_metrics_logger_writes_iterations_and_epochs(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    logger = MetricsLogger(path, every=4)
+    tiny_net().fit(DATA, epochs=2, batch_size=10, listeners=[logger])
+    logger.write({"kind": "note", "value": 1})
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    kinds = [r["kind"] for r in records]
+    assert kinds.count("iteration") == 5  # iterations 4, 8, 12, 16, 20
+    assert kinds.count("epoch") == 2 and kinds[-1] == "note"
+    assert all(r["time"] >= 0 for r in records)
+    epoch = next(r for r in records if r["kind"] == "epoch")
+    assert epoch["examples"] == 100 and epoch["batches"] == 10 and epoch["samples_per_second"] > 0
