@@ -15,7 +15,7 @@ from dl4py.errors import BackendError
 def cuda_present(monkeypatch):
     """Pretend a usable CUDA device exists, so the rules are tested on any machine."""
     monkeypatch.setattr(selection, "cuda_unavailable_reason", lambda: None)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(selection, "_first_permitted_gpu", lambda: torch.device("cuda", 0))
 
 
 @pytest.fixture

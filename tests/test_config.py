@@ -242,8 +242,8 @@ def test_run_config_errors_name_the_file(tmp_path):
         RunConfig.from_file(broken)
     with pytest.raises(ConfigError, match="cannot read config file"):
         RunConfig.from_file(tmp_path / "missing.yaml")
-    with pytest.raises(ConfigError, match=r"environment\.max_device_cache: unknown field"):
-        RunConfig.from_dict({"network": _net(OUT), "environment": {"max_device_cache": 1}})
+    with pytest.raises(ConfigError, match=r"environment\.max_devise_cache: unknown field"):
+        RunConfig.from_dict({"network": _net(OUT), "environment": {"max_devise_cache": 1}})
     with pytest.raises(ConfigError, match=r"data\.train_path: is required when dataset is 'csv'"):
         RunConfig.from_dict({"network": _net(OUT), "data": {"dataset": "csv"}})
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 
+import pytest
 import torch
 
 from dl4py import DenseLayer, InputType, MultiLayerNetwork, NetworkConfig, OutputLayer, Sgd
@@ -35,7 +36,7 @@ def test_performance_listener_measures_throughput():
     perf = PerformanceListener(frequency=5, report=False)
     tiny_net().fit(DATA, epochs=1, batch_size=10, listeners=[perf])
     assert perf.samples_per_second > 0
-    assert perf.samples_per_second / perf.batches_per_second == 10  # batch size
+    assert perf.samples_per_second / perf.batches_per_second == pytest.approx(10)  # batch size
 
 
 def test_metrics_logger_writes_iterations_and_epochs(tmp_path):

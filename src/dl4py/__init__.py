@@ -7,7 +7,14 @@ Public names are re-exported here; import from ``dl4py`` or its subpackages
 
 __version__ = "0.1.0"
 
-from dl4py.backend import get_default_dtype, resolve_backend, set_backend, set_default_dtype
+from dl4py.backend import (
+    Environment,
+    environment,
+    get_default_dtype,
+    resolve_backend,
+    set_backend,
+    set_default_dtype,
+)
 from dl4py.config import (
     ActivationLayer,
     Adam,
@@ -41,9 +48,9 @@ from dl4py.train import TrainingInterrupted
 __all__ = [
     "ActivationLayer", "Adam", "AdamW", "ArrayDataSetIterator", "BackendError",
     "BatchNormalization", "ConfigError", "ConvolutionLayer", "CsvDataSetIterator", "DataError",
-    "DataSet", "DataSetIterator", "DenseLayer", "DL4PyError", "DropoutLayer", "Evaluation",
-    "GlobalPoolingLayer", "InputType", "MnistDataSetIterator", "MultiLayerNetwork", "Nesterovs",
-    "NetworkConfig", "OutputLayer", "RmsProp", "RunConfig", "Sgd", "SubsamplingLayer",
-    "TorchModel", "TrainingError", "TrainingInterrupted", "get_default_dtype", "load",
+    "DataSet", "DataSetIterator", "DenseLayer", "DL4PyError", "DropoutLayer", "Environment",
+    "Evaluation", "GlobalPoolingLayer", "InputType", "MnistDataSetIterator", "MultiLayerNetwork",
+    "Nesterovs", "NetworkConfig", "OutputLayer", "RmsProp", "RunConfig", "Sgd", "SubsamplingLayer",
+    "TorchModel", "TrainingError", "TrainingInterrupted", "environment", "get_default_dtype", "load",
     "resolve_backend", "set_backend", "set_default_dtype",
 ]

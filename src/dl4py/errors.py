@@ -23,3 +23,11 @@ class BackendError(DL4PyError):
 
 class TrainingError(DL4PyError):
     """Training cannot go on (for example the loss became NaN)."""
+
+
+class WorkerError(DL4PyError):
+    """A parallel worker failed; names the worker, its device, and its traceback or exit signal."""
+
+    def __init__(self, rank: int, device: str, detail: str):
+        self.rank, self.device, self.detail = rank, device, detail
+        super().__init__(f"worker {rank} (device {device}) failed: {detail}")

@@ -91,6 +91,7 @@ def environment_record(model) -> dict:
         "device": str(device),
         "precision": model.precision.name,
         "cuda": torch.version.cuda,
+        "environment": __import__("dl4py.backend.cuda_environment", fromlist=["environment"]).environment().to_dict(),
     }
     if device.type == "cuda":
         record["device_name"] = torch.cuda.get_device_name(device)
@@ -113,6 +114,9 @@ def train_run(
             "in this version; use 1",
         )
     run_dir = _prepare_run_dir(output, resume, config_name)
+    from dl4py.backend.cuda_environment import environment
+
+    environment().update_from_config(config.environment)  # the config names what it sets
     network = config.network
     model = MultiLayerNetwork(network, backend=config.training.backend, precision=config.training.precision)
     checkpoint = run_dir / CHECKPOINT

@@ -7,11 +7,14 @@ import platform
 
 import torch
 
+from dl4py.backend.cuda_environment import VARIABLES, environment
 from dl4py.backend.precision import get_default_dtype
 from dl4py.backend.selection import cuda_unavailable_reason, get_backend_choice, resolve_backend
+from dl4py.errors import BackendError
 
 
 def collect_info() -> dict:
+    env = environment()  # reads the DL4PY_* variables; reporting applies nothing
     backend = resolve_backend()
     devices = []
     if cuda_unavailable_reason() is None:
@@ -49,8 +52,20 @@ def collect_info() -> dict:
         },
         "cpu": {"threads": torch.get_num_threads(), "logical_cores": os.cpu_count()},
         "default_dtype": get_default_dtype(),
-        "environment": {},
+        "environment": env.to_dict(),
+        "environment_detail": {
+            "set_by": env.set_by(),
+            "usable_cuda_devices": _usable(env),
+            "variables": {var: os.environ[var] for var in VARIABLES if var in os.environ},
+        },
     }
+
+
+def _usable(env) -> list[int] | str:
+    try:
+        return env.usable_cuda_devices()
+    except BackendError as exc:
+        return str(exc)
 
 
 def format_info(info: dict) -> str:
@@ -70,4 +85,15 @@ def format_info(info: dict) -> str:
             )
     else:
         lines.append(f"cuda           unavailable: {info['cuda_unavailable_reason']}")
+    set_by = info["environment_detail"]["set_by"]
+    settings = [f"{k} {_show(info['environment'][k])} ({src})" for k, src in set_by.items()]
+    lines.append("environment    " + (", ".join(settings) if settings else "defaults (nothing set)"))
+    for var, value in info["environment_detail"]["variables"].items():
+        lines.append(f"  {var}={value}")
     return "\n".join(lines)
+
+
+def _show(value) -> str:
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return str(value).lower() if isinstance(value, bool) else str(value)

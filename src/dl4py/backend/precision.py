@@ -1,9 +1,12 @@
 """Precision as one setting: a small policy object chosen by name.
 
 ``float``/``double``/``half``/``bfloat16`` store parameters and compute in that type
-(DL4J's ``DataTypeUtil.setDTypeForContext``); ``mixed-bf16``/``mixed-fp16`` keep float
-parameters and run the forward pass under autocast, with dynamic loss scaling for fp16.
-Model code never mentions a dtype: the trainer asks the policy.
+(DL4J's ``DataTypeUtil.setDTypeForContext``). ``half`` and ``bfloat16`` also keep a
+float32 master copy of every parameter that the updater steps, because updates smaller
+than the 16-bit spacing of a weight would otherwise be rounded away; ``half`` adds
+dynamic loss scaling so small gradients do not flush to zero. ``mixed-bf16`` and
+``mixed-fp16`` keep float parameters and run the forward pass under autocast, with
+dynamic loss scaling for fp16. Model code never mentions a dtype: the trainer asks the policy.
 """
 
 from __future__ import annotations
@@ -47,7 +50,20 @@ class Precision:
 
     @property
     def uses_loss_scaling(self) -> bool:
-        return self.name == "mixed-fp16"
+        return self.name in ("half", "mixed-fp16")
+
+    @property
+    def master_weights(self) -> bool:
+        """Parameters are 16-bit; the updater steps float32 master copies."""
+        return self.name in ("half", "bfloat16")
+
+    @property
+    def uses_fp16(self) -> bool:
+        return torch.float16 in (self.param_dtype, self.autocast_dtype)
+
+    @property
+    def uses_bf16(self) -> bool:
+        return torch.bfloat16 in (self.param_dtype, self.autocast_dtype)
 
     def convert_input(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_floating_point() and x.dtype != self.param_dtype:

@@ -78,6 +78,17 @@ def cuda_unavailable_reason() -> str | None:
     return None
 
 
+def _first_permitted_gpu() -> torch.device:
+    # The environment's device list decides, and asking it does not initialise CUDA, so
+    # allocator settings can still be applied after the choice.
+    from dl4py.backend.cuda_environment import environment
+
+    devices = environment().usable_cuda_devices()
+    if not devices:
+        raise BackendError("no CUDA device is permitted by the environment's device list")
+    return torch.device("cuda", devices[0])
+
+
 def resolve_backend(requested: str | None = None, env: Mapping[str, str] | None = None) -> Backend:
     """Decide the backend. ``requested`` (from code, config or CLI) beats the process default."""
     env = os.environ if env is None else env
@@ -96,14 +107,14 @@ def resolve_backend(requested: str | None = None, env: Mapping[str, str] | None 
         why = cuda_unavailable_reason()
         if why is not None:
             raise BackendError(f"the GPU backend was {source} but cannot be used: {why}")
-        return Backend("gpu", torch.device("cuda", torch.cuda.current_device()), f"gpu {source}")
+        return Backend("gpu", _first_permitted_gpu(), f"gpu {source}")
 
     ranking = f"BACKEND_PRIORITY_GPU={gpu_priority}, BACKEND_PRIORITY_CPU={cpu_priority}"
     if cpu_priority > gpu_priority:
         return Backend("cpu", torch.device("cpu"), f"auto: cpu ranks higher ({ranking})")
     why = cuda_unavailable_reason()
     if why is None:
-        return Backend("gpu", torch.device("cuda", torch.cuda.current_device()), f"auto: gpu ranks higher ({ranking})")
+        return Backend("gpu", _first_permitted_gpu(), f"auto: gpu ranks higher ({ranking})")
     global _fallback_reported
     if not _fallback_reported:
         log.info("dl4py: GPU backend unavailable (%s); using the CPU", why)

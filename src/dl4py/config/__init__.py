@@ -14,11 +14,19 @@ from dl4py.config.layers import (
 )
 from dl4py.config.network import NetworkConfig
 from dl4py.config.run import DataConfig, EnvironmentConfig, RunConfig, TrainingConfig
+from dl4py.config.schedules import (
+    ExponentialSchedule,
+    OneCycleSchedule,
+    PolySchedule,
+    Schedule,
+    StepSchedule,
+)
 from dl4py.config.updaters import Adam, AdamW, Nesterovs, RmsProp, Sgd, Updater
 
 __all__ = [
     "ActivationLayer", "Adam", "AdamW", "BatchNormalization", "Convolutional", "ConvolutionalFlat",
     "ConvolutionLayer", "DataConfig", "DenseLayer", "DropoutLayer", "EnvironmentConfig",
-    "FeedForward", "GlobalPoolingLayer", "InputType", "Layer", "Nesterovs", "NetworkConfig",
-    "OutputLayer", "RmsProp", "RunConfig", "Sgd", "SubsamplingLayer", "TrainingConfig", "Updater",
+    "ExponentialSchedule", "FeedForward", "GlobalPoolingLayer", "InputType", "Layer", "Nesterovs",
+    "NetworkConfig", "OneCycleSchedule", "OutputLayer", "PolySchedule", "RmsProp", "RunConfig",
+    "Schedule", "Sgd", "StepSchedule", "SubsamplingLayer", "TrainingConfig", "Updater",
 ]

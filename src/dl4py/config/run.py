@@ -72,7 +72,38 @@ class TrainingConfig(ConfigBase):
 
 @dataclass(frozen=True)
 class EnvironmentConfig(ConfigBase):
-    """CUDA environment settings (see docs/environment.md). None yet: any key is an error."""
+    """CUDA environment settings (docs/environment.md). Every field defaults to null, meaning
+    "not set here": a DL4PY_* variable or the built-in default applies. A non-null field
+    overrides both when the run merges this section (``Environment.update_from_config``)."""
+
+    allow_multi_gpu: Optional[bool] = None  # default true
+    devices: Optional[tuple] = None  # default: all visible
+    max_device_cache: Optional[int | float | str] = None  # fraction up to 1, or a size
+    max_cacheable_chunk: Optional[int | str] = None  # a size above 20 MiB
+    gc_threshold: Optional[float] = None
+    expandable_segments: Optional[bool] = None  # default false
+    caching: Optional[bool] = None  # default true
+    pinned_memory: Optional[bool] = None  # default true
+    tf32: Optional[bool] = None  # default: PyTorch's own flags
+    cudnn_benchmark: Optional[bool] = None  # default false
+    deterministic: Optional[bool] = None  # default false
+    debug: Optional[bool] = None  # default false
+    compile: Optional[Literal["off", "default", "max-autotune"]] = None  # default off
+    cuda_graphs: Optional[bool] = None  # default false
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "") -> "EnvironmentConfig":
+        if isinstance(data, dict) and isinstance(data.get("compile"), bool):  # YAML reads `off` as false
+            data = {**data, "compile": "default" if data["compile"] else "off"}
+        return dataclass_from_dict(cls, data, where)
+
+    def validate(self, where: str) -> None:
+        from dl4py.backend.cuda_environment import check_setting  # the one rule set for every source
+
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, check_setting(name, value, join(where, name)))
 
 
 @dataclass(frozen=True)

@@ -8,19 +8,29 @@ directly (decoupled) with its own ``weight_decay``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional
 
+from dl4py.config.schedules import Schedule
 from dl4py.config.schema import TaggedConfig, join
 from dl4py.errors import ConfigError
 
 
+@dataclass(frozen=True)
 class Updater(TaggedConfig):
+    """Base of the updaters; each has ``learning_rate`` and an optional ``schedule`` for it."""
+
     registry: ClassVar[dict[str, type]] = {}
     type_name: ClassVar[str | None] = None
-    learning_rate: float
     # How many copies of the parameters the updater keeps (for the memory estimator).
     state_copies: ClassVar[int] = 0
+    schedule: Optional[Schedule] = field(default=None, kw_only=True)
+
+    def learning_rate_at(self, updates: int, epochs: int) -> float:
+        """The learning rate after ``updates`` applied updates and ``epochs`` completed epochs."""
+        if self.schedule is None:
+            return self.learning_rate
+        return self.learning_rate * self.schedule.factor(self.schedule.step_count(updates, epochs))
 
     def validate(self, where: str) -> None:
         if not self.learning_rate > 0:

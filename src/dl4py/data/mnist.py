@@ -84,6 +84,13 @@ class MnistDataSetIterator(ArrayDataSetIterator):
             limit=limit, num_classes=10,
         )
         self.train = bool(train)
+        self._data_dir = data_dir
+
+    def __reduce__(self):
+        # Sent to another process (a parallel worker) as its constructor arguments, so
+        # the worker reads MNIST from disk itself instead of receiving 188 MB of tensors.
+        args = (self.batch_size, self.train, self.seed, self.shuffle, self.limit, self._data_dir, self.drop_last)
+        return (MnistDataSetIterator, args, {"_next_epoch": self._next_epoch})
 
 
 def _load_arrays(train: bool, data_dir) -> tuple[np.ndarray, np.ndarray]:

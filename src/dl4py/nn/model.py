@@ -7,6 +7,7 @@ policy, and its training counters (epochs, iterations, position in the current e
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
@@ -16,6 +17,7 @@ from torch import nn
 from dl4py.backend import Backend, Precision, resolve_backend, resolve_precision
 from dl4py.data.dataset import DataSet
 from dl4py.errors import BackendError, DataError
+from dl4py.nn.master_weights import MasterWeights
 
 if TYPE_CHECKING:
     from dl4py.eval import Evaluation
@@ -32,11 +34,23 @@ class Model:
         self.module: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.seed = 0  # seeds in-step randomness (dropout) per epoch
+        self.master = None  # MasterWeights when the precision keeps float32 masters
+        self.scaler = None  # GradScaler when the precision scales the loss
         self.epoch_count = 0  # completed epochs
-        self.iteration_count = 0  # optimizer steps taken
+        self.iteration_count = 0  # minibatches trained on
+        self.update_count = 0  # updates applied (fewer when loss scaling skipped some)
         self.batch_in_epoch = 0  # batches done in the current, unfinished epoch
         self._last_score: torch.Tensor | None = None
         self._train_step = None
+        self._compiled = None  # (settings, torch.compile'd module) when the environment asks
+
+    def __getstate__(self):
+        # Sent to a parallel worker as its recipe: the built module, optimizer and step
+        # are rebuilt there on the worker's device (weights follow in a saved model file).
+        state = dict(self.__dict__)
+        for name in ("module", "optimizer", "master", "scaler", "_train_step", "_compiled", "backend", "precision"):
+            state[name] = None
+        return state
 
     # ---- hooks for subclasses ---------------------------------------------------------
     def _build(self, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -49,6 +63,10 @@ class Model:
         """Module outputs -> predictions (the output layer's activation)."""
         return outputs
 
+    def learning_rate_at(self, updates: int, epochs: int) -> float | None:
+        """Scheduled learning rate, or None to leave the optimizer's own learning rate alone."""
+        return None
+
     def check_features(self, features: torch.Tensor, where: str) -> None:
         """Raise DataError when ``features`` cannot go into this network."""
 
@@ -60,20 +78,46 @@ class Model:
         """Create the parameters on the chosen backend, in the chosen precision. Idempotent."""
         if self.module is not None:
             return self
+        from dl4py.backend.cuda_environment import environment
+
+        env = environment()
+        env.apply()  # process-wide settings first: some must precede CUDA's start
         backend = self._requested_backend
         self.backend = backend if isinstance(backend, Backend) else resolve_backend(backend)
         self.precision = resolve_precision(self._requested_precision)
+        env.apply(self.backend.device)  # per-device settings (memory cap)
         self._check_precision_supported()
-        self.module, self.optimizer = self._build(self.backend.device, self.precision.param_dtype)
+        precision, device = self.precision, self.backend.device
+        build_dtype = torch.float32 if precision.master_weights else precision.param_dtype
+        module, self.optimizer = self._build(device, build_dtype)
+        if precision.master_weights:
+            self.master = MasterWeights(module, precision.param_dtype)
+            module = self.master.module
+        self.module = module
+        self.scaler = precision.make_scaler(device)
         return self
 
     def _check_precision_supported(self) -> None:
-        device = self.backend.device
-        wants_bf16 = torch.bfloat16 in (self.precision.param_dtype, self.precision.autocast_dtype)
-        if device.type == "cuda" and wants_bf16 and not torch.cuda.is_bf16_supported():
-            raise BackendError(
-                f"precision {self.precision} needs bfloat16, which "
-                f"{torch.cuda.get_device_name(device)} does not support; use 'half' or 'mixed-fp16'"
+        device, precision = self.backend.device, self.precision
+        if device.type == "cuda":
+            name = torch.cuda.get_device_name(device)
+            major, minor = torch.cuda.get_device_capability(device)
+            if precision.uses_bf16 and not torch.cuda.is_bf16_supported():
+                raise BackendError(
+                    f"precision '{precision}' needs bfloat16, which {name} (compute capability "
+                    f"{major}.{minor}) does not support; use 'half' or 'mixed-fp16'"
+                )
+            if precision.uses_fp16 and (major, minor) < (5, 3):
+                raise BackendError(
+                    f"precision '{precision}' needs float16 arithmetic, which {name} (compute "
+                    f"capability {major}.{minor}) lacks; use 'float'"
+                )
+        elif precision.uses_fp16:
+            _warn_once(
+                "cpu-fp16",
+                f"precision '{precision}' on the CPU: PyTorch has no fast float16 kernels for CPUs, "
+                "so this runs many times slower than float; 'bfloat16' or 'mixed-bf16' is the fast "
+                "16-bit choice on a CPU",
             )
 
     @property
@@ -153,6 +197,15 @@ class Model:
         from dl4py.nn.serialization import save_model
 
         save_model(self, path, save_updater=save_updater)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logging.getLogger("dl4py").warning("dl4py: %s", message)
 
 
 class _InferenceMode:

@@ -52,6 +52,10 @@ class MultiLayerNetwork(Model):
     def activate(self, outputs):
         return self._loss.activate(outputs)
 
+    def learning_rate_at(self, updates: int, epochs: int) -> float | None:
+        updater = self.config.updater
+        return None if updater.schedule is None else updater.learning_rate_at(updates, epochs)
+
     @property
     def n_out(self) -> int:
         return self.config.layers[-1].n_out

@@ -2,8 +2,9 @@
 
 Entries: ``meta.json`` (format, kind, counters, precision, versions), ``config.json``
 (MultiLayerNetwork only: the network is rebuilt by its constructor), ``weights.safetensors``
-(parameters and buffers), and when asked ``updater.json`` + ``updater.safetensors``
-(the optimizer's state). The file is written to a temporary name and renamed, so a crash
+(parameters and buffers, in the model's precision), ``master.safetensors`` (the float32
+master weights of ``half``/``bfloat16`` models), and when asked ``updater.json`` +
+``updater.safetensors`` (the optimizer's state; the loss scaler's state is in meta.json). The file is written to a temporary name and renamed, so a crash
 mid-save leaves the previous file intact.
 """
 
@@ -39,6 +40,8 @@ def save_model(model, path, save_updater: bool = True) -> None:
         "epoch_count": model.epoch_count,
         "iteration_count": model.iteration_count,
         "batch_in_epoch": model.batch_in_epoch,
+        "update_count": model.update_count,
+        "scaler": None if model.scaler is None else model.scaler.state_dict(),
         "score": None if model._last_score is None else float(model._last_score),
         "module_class": f"{type(model.module).__module__}.{type(model.module).__qualname__}",
         "has_updater": save_updater,
@@ -49,6 +52,8 @@ def save_model(model, path, save_updater: bool = True) -> None:
         if model.kind == "multilayer":
             zf.writestr("config.json", model.config.to_json())
         zf.writestr("weights.safetensors", st_save(_cpu_tensors(model.module.state_dict())))
+        if model.master is not None:
+            zf.writestr("master.safetensors", st_save(_cpu_tensors(model.master.named_master_parameters())))
         if save_updater:
             state_json, state_tensors = _split_optimizer_state(model.optimizer.state_dict())
             zf.writestr("updater.json", json.dumps(state_json))
@@ -63,14 +68,7 @@ def load(path, into=None, backend=None, precision=None):
     from dl4py.nn.network import MultiLayerNetwork
 
     path = Path(path)
-    entries = _read_entries(path)
-    meta = json.loads(entries["meta.json"])
-    if meta.get("format") != FORMAT:
-        raise DataError(f"{path}: not a dl4py model file (format {meta.get('format')!r})")
-    if meta["format_version"] > FORMAT_VERSION:
-        raise DataError(
-            f"{path}: saved by a newer dl4py (format {meta['format_version']}); upgrade dl4py to read it"
-        )
+    entries, meta = _read_checked(path)
     precision = precision or meta["precision"]
     if meta["kind"] == "multilayer":
         if into is not None:
@@ -85,11 +83,37 @@ def load(path, into=None, backend=None, precision=None):
             )
         model = into
     model.init()
+    _restore(model, entries, meta, path)
+    return model
+
+
+def restore_state(model, path) -> None:
+    """Load a saved model's weights, updater state and counters into ``model`` (same architecture)."""
+    path = Path(path)
+    entries, meta = _read_checked(path)
+    model.init()
+    _restore(model, entries, meta, path)
+
+
+def _read_checked(path: Path) -> tuple[dict[str, bytes], dict]:
+    entries = _read_entries(path)
+    meta = json.loads(entries["meta.json"])
+    if meta.get("format") != FORMAT:
+        raise DataError(f"{path}: not a dl4py model file (format {meta.get('format')!r})")
+    if meta["format_version"] > FORMAT_VERSION:
+        raise DataError(
+            f"{path}: saved by a newer dl4py (format {meta['format_version']}); upgrade dl4py to read it"
+        )
+    return entries, meta
+
+
+def _restore(model, entries: dict[str, bytes], meta: dict, path: Path) -> None:
     weights = st_load(entries["weights.safetensors"])
     try:
         model.module.load_state_dict(weights)
     except RuntimeError as exc:
         raise DataError(f"{path}: the saved weights do not fit the model: {exc}") from None
+    _restore_masters(model, st_load(entries["master.safetensors"]) if "master.safetensors" in entries else None)
     if meta.get("has_updater") and "updater.json" in entries:
         state = _join_optimizer_state(
             json.loads(entries["updater.json"]), st_load(entries["updater.safetensors"])
@@ -98,9 +122,23 @@ def load(path, into=None, backend=None, precision=None):
     model.epoch_count = meta["epoch_count"]
     model.iteration_count = meta["iteration_count"]
     model.batch_in_epoch = meta.get("batch_in_epoch", 0)
+    model.update_count = meta.get("update_count", model.iteration_count)
+    if model.scaler is not None and meta.get("scaler"):
+        model.scaler.load_state_dict(meta["scaler"])
     if meta.get("score") is not None:
         model._last_score = torch.tensor(meta["score"])
-    return model
+
+
+@torch.no_grad()
+def _restore_masters(model, masters: dict[str, torch.Tensor] | None) -> None:
+    """Float32 masters are the exact weights: prefer them over the 16-bit copies when present."""
+    if model.master is not None:
+        for name, param in model.master.named_master_parameters().items():
+            param.copy_(masters[name] if masters is not None else model.module.get_parameter(name))
+        model.master.master_to_module()
+    elif masters is not None:
+        for name, value in masters.items():
+            model.module.get_parameter(name).copy_(value)
 
 
 def _read_entries(path: Path) -> dict[str, bytes]:

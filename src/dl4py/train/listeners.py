@@ -77,7 +77,7 @@ class ProgressBar(TrainingListener):
     def __init__(self, total_epochs: int, batches_per_epoch: int, stream=None, interval: float = 0.25):
         self.total_epochs = total_epochs
         self.batches = batches_per_epoch
-        self.stream = stream or sys.stderr
+        self._stream = stream  # None: sys.stderr when drawing (keeps the listener picklable)
         self.interval = interval
         self._first_epoch = None
 
@@ -92,6 +92,10 @@ class ProgressBar(TrainingListener):
         if now - self._last >= self.interval or self._done == self.batches:
             self._last = now
             self._draw(now, float(loss))
+
+    @property
+    def stream(self):
+        return self._stream or sys.stderr
 
     def _draw(self, now: float, score: float) -> None:
         elapsed = now - self._start

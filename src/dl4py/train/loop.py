@@ -85,7 +85,7 @@ def _run_epoch(model, iterator, listeners, interrupt) -> EpochSummary | None:
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     batches = examples = 0
     started = time.perf_counter()
-    with _epoch_rng(model, epoch):
+    with epoch_rng(model, epoch):
         for index, batch in enumerate(iterator):
             if index < skip:
                 continue  # resumed mid-epoch: these batches were trained before the stop
@@ -103,10 +103,10 @@ def _run_epoch(model, iterator, listeners, interrupt) -> EpochSummary | None:
             for listener in listeners:
                 listener.iteration_done(model, model.iteration_count, epoch, loss, features.shape[0])
             if batches % NAN_CHECK_EVERY == 0:
-                _check_finite(model, loss_sum, epoch)
+                check_finite(model, loss_sum, epoch)
             if interrupt.requested:
                 return None
-    _check_finite(model, loss_sum, epoch)
+    check_finite(model, loss_sum, epoch)
     model.epoch_count += 1
     model.batch_in_epoch = 0
     seconds = time.perf_counter() - started
@@ -114,7 +114,8 @@ def _run_epoch(model, iterator, listeners, interrupt) -> EpochSummary | None:
     return EpochSummary(epoch, batches, examples, mean, seconds)
 
 
-def _check_finite(model, loss_sum: torch.Tensor, epoch: int) -> None:
+def check_finite(model, loss_sum: torch.Tensor, epoch: int) -> None:
+    """Raise TrainingError, naming the precision and a remedy, when the loss is NaN or infinite."""
     if not bool(torch.isfinite(loss_sum)):
         remedy = {
             "half": "use 'mixed-fp16' (loss scaling) or 'bfloat16', or lower the learning rate",
@@ -126,13 +127,14 @@ def _check_finite(model, loss_sum: torch.Tensor, epoch: int) -> None:
         )
 
 
-def _epoch_rng(model, epoch: int):
-    """Seed dropout and other in-step randomness from (seed, epoch), without touching the
-    caller's global RNG, so a run resumed at an epoch boundary draws the same masks."""
+def epoch_rng(model, epoch: int, stream: int = 0):
+    """Seed dropout and other in-step randomness from (seed, epoch, stream), without touching
+    the caller's global RNG, so a run resumed at an epoch boundary draws the same masks.
+    Parallel workers pass their rank as ``stream`` so each draws its own masks."""
     seed = getattr(model, "seed", 0)
     device = model.backend.device
     devices = [device.index or 0] if device.type == "cuda" else []
     stack = contextlib.ExitStack()
     stack.enter_context(torch.random.fork_rng(devices=devices))
-    torch.manual_seed(seed * 1_000_003 + epoch)
+    torch.manual_seed(seed * 1_000_003 + epoch * 10_007 + stream)
     return stack

@@ -1,7 +1,10 @@
 """The training step: one minibatch forward, backward and update.
 
 Every trainer runs this same function (the single-device loop now, each parallel worker
-later), so a model trains identically whichever runs it.
+later), so a model trains identically whichever runs it. The precision policy decides
+the extras: autocast, loss scaling, float32 master weights; a scheduled learning rate is
+set from the count of applied updates, which an update skipped for an fp16 overflow does
+not advance.
 """
 
 from __future__ import annotations
@@ -10,36 +13,98 @@ from typing import Callable
 
 import torch
 
+_LOW = (torch.float16, torch.bfloat16)
 
-def make_train_step(model) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """Return ``step(features, labels) -> loss`` (detached) for an initialised model."""
-    module, optimizer, loss_fn = model.module, model.optimizer, model.loss
+# (compile, cuda_graphs) -> torch.compile mode. CUDA graphs come from Inductor's
+# cudagraph trees, which its "reduce-overhead" and "max-autotune" modes switch on.
+_COMPILE_MODES = {
+    ("default", False): "default",
+    ("default", True): "reduce-overhead",
+    ("off", True): "reduce-overhead",
+    ("max-autotune", False): "max-autotune-no-cudagraphs",
+    ("max-autotune", True): "max-autotune",
+}
+
+
+def forward_function(model):
+    """The module, or its torch.compile'd form when the environment asks for kernel fusion
+    (``compile``) or CUDA graphs (``cuda_graphs``)."""
+    from dl4py.backend.cuda_environment import environment
+    from dl4py.errors import BackendError
+
+    env = environment()
+    key = (env.compile, bool(env.cuda_graphs))
+    if key == ("off", False):
+        return model.module
+    if key[1] and model.backend.device.type != "cuda":
+        raise BackendError(
+            f"environment setting cuda_graphs needs the GPU backend, but this model runs on "
+            f"{model.backend.device}; turn cuda_graphs off"
+        )
+    if getattr(model, "_compiled", None) is None or model._compiled[0] != key:
+        model._compiled = (key, torch.compile(model.module, mode=_COMPILE_MODES[key]))
+    return model._compiled[1]
+
+
+def make_train_step(model, gradient_hook=None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Return ``step(features, labels) -> loss`` (detached) for an initialised model.
+
+    ``gradient_hook(took_part)`` runs between backward and the update (the parallel
+    trainer shares gradients there). With a hook, ``step(None, None)`` is a step without
+    a batch: this worker contributes nothing but applies the shared update, so replicas
+    stay identical when the last round has fewer batches than workers.
+    """
+    module, optimizer, loss_fn = forward_function(model), model.optimizer, model.loss
     precision, device = model.precision, model.backend.device
-    scaler = precision.make_scaler(device)
+    master, scaler = model.master, model.scaler
+    scheduled = model.learning_rate_at(0, 0) is not None
+    plain = master is None and scaler is None and precision.autocast_dtype is None
 
-    if scaler is None and precision.autocast_dtype is None:
+    if plain and not scheduled and gradient_hook is None:
 
         def step(features, labels):
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(module(features), labels)
             loss.backward()
             optimizer.step()
+            model.update_count += 1
             return loss.detach()
 
         return step
 
-    def mixed_step(features, labels):
+    def full_step(features, labels):
         optimizer.zero_grad(set_to_none=True)
-        with precision.forward_context(device):
-            loss = loss_fn(module(features), labels)
+        took_part = features is not None
+        loss = None
+        if took_part:
+            with precision.forward_context(device):
+                outputs = module(features)
+            if outputs.dtype in _LOW:  # the loss and its reduction in float32
+                outputs = outputs.float()
+            loss = loss_fn(outputs, labels)
+            (loss if scaler is None else scaler.scale(loss)).backward()
+            if master is not None:
+                master.grads_to_master()
+        if gradient_hook is not None:
+            gradient_hook(took_part)
+        if scheduled:
+            lr = model.learning_rate_at(model.update_count, model.epoch_count)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
         if scaler is None:
-            loss.backward()
             optimizer.step()
+            applied = True
         else:
-            scaler.scale(loss).backward()
+            # GradScaler skips the update when a gradient overflowed and then lowers
+            # its scale; a lower scale afterwards is how we know the step was skipped.
+            scale_before = scaler.get_scale()
             scaler.step(optimizer)
             scaler.update()
-        return loss.detach()
+            applied = scaler.get_scale() >= scale_before
+        if applied:
+            if master is not None:
+                master.master_to_module()
+            model.update_count += 1
+        return None if loss is None else loss.detach()
 
-    mixed_step.scaler = scaler
-    return mixed_step
+    return full_step

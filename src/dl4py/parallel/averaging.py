@@ -1,0 +1,77 @@
+"""Collectives of the parallel trainer: parameter averaging and gradient sharing.
+
+Both weight each worker by whether it took part (trained a batch since the last average,
+or in this step), so an uneven last round averages across the workers that trained and
+no worker's stale values dilute the result. Tensors travel in one flat buffer per dtype,
+in float32 (float64 for double), one all-reduce each, plus one for the participant count.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def stepped_parameters(model) -> list[torch.Tensor]:
+    """The tensors the updater steps: float32 masters when the precision keeps them."""
+    source = model.master.master_module if model.master is not None else model.module
+    return list(source.parameters())
+
+
+def replica_state(model, include_updater: bool) -> list[torch.Tensor]:
+    """Everything that must agree across replicas after averaging, in a fixed order."""
+    tensors = stepped_parameters(model)
+    tensors += [b for b in model.module.buffers() if b.is_floating_point()]
+    if include_updater:
+        for group in model.optimizer.param_groups:
+            for param in group["params"]:
+                state = model.optimizer.state.get(param, {})
+                tensors += [state[k] for k in sorted(state) if torch.is_tensor(state[k]) and state[k].is_floating_point()]
+    return tensors
+
+
+def _participant_count(took_part: bool, device: torch.device) -> float:
+    count = torch.tensor([1.0 if took_part else 0.0], device=device)
+    dist.all_reduce(count)
+    return float(count.item())
+
+
+@torch.no_grad()
+def average(tensors: list[torch.Tensor], took_part: bool) -> float:
+    """Replace each tensor by its mean over the workers that took part; returns their number."""
+    if not tensors:
+        return 0.0
+    count = _participant_count(took_part, tensors[0].device)
+    weight = 1.0 if took_part else 0.0
+    for bucket in _buckets(tensors):
+        wide = torch.float64 if bucket[0].dtype == torch.float64 else torch.float32
+        flat = torch.cat([t.reshape(-1).to(wide) for t in bucket]).mul_(weight)
+        dist.all_reduce(flat)
+        flat.div_(count)
+        torch._foreach_copy_(bucket, [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in bucket]), bucket)])
+    return count
+
+
+@torch.no_grad()
+def share_gradients(params: list[torch.Tensor], took_part: bool) -> None:
+    """All-reduce gradients to their mean over the workers that trained a batch this step
+    (DDP's semantics; a worker without a batch receives the mean and steps with it)."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    average([p.grad for p in params], took_part)
+
+
+def mean_over_participants(value: torch.Tensor | None, took_part: bool, device: torch.device) -> float:
+    """Mean of a scalar (e.g. the last minibatch loss) over the workers that took part."""
+    pair = torch.tensor([float(value) if took_part and value is not None else 0.0, 1.0 if took_part else 0.0],
+                        device=device, dtype=torch.float64)
+    dist.all_reduce(pair)
+    return float(pair[0] / pair[1]) if pair[1] > 0 else float("nan")
+
+
+def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    return list(by_dtype.values())

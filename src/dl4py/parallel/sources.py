@@ -1,0 +1,178 @@
+"""Where each worker's batches come from, and the prefetch buffer that keeps them ready.
+
+- ``ShardedSource``: dl4py's in-memory iterators (MNIST, arrays, CSV). Every worker holds
+  the iterator (MNIST travels as its constructor arguments and is read from disk by each
+  worker) and slices its own batches from the epoch's shuffle order: nothing per batch
+  crosses a process boundary.
+- ``QueueSource``: any other iterator. The coordinating process iterates it and deals
+  batches round-robin into one bounded queue per worker.
+- ``StrideSource``: any other iterator under torchrun (no coordinator): every process
+  iterates it and keeps every ``world``-th batch.
+
+Each yields ``(round_index, DataSet)`` for the rounds its worker trains in.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Iterator
+
+import torch
+
+from dl4py.data import ArrayDataSetIterator, DataSet
+from dl4py.errors import DataError
+from dl4py.parallel.plan import RoundPlan
+
+POLL_SECONDS = 0.2
+END_OF_EPOCH = "end-of-epoch"
+
+
+def batches_per_epoch(iterator) -> int:
+    try:
+        return len(iterator)
+    except TypeError:
+        raise DataError(
+            f"ParallelWrapper needs to know how many batches an epoch has: {type(iterator).__name__} "
+            "has no len(); give it __len__, or use an ArrayDataSetIterator"
+        ) from None
+
+
+class ShardedSource:
+    def __init__(self, iterator: ArrayDataSetIterator):
+        self.iterator = iterator
+
+    def batches(self, epoch: int, rank: int, world: int) -> Iterator[tuple[int, DataSet]]:
+        it = self.iterator
+        plan = RoundPlan(len(it), world)
+        size, stop = it.batch_size, it.total_examples()
+        order = it.epoch_order(epoch) if it.shuffle else None
+        for round_index in range(plan.rounds):
+            index = plan.batch_of(round_index, rank)
+            if index is None:
+                return
+            start, end = index * size, min((index + 1) * size, stop)
+            yield round_index, it._batch(slice(start, end) if order is None else order[start:end])
+
+
+class StrideSource:
+    def __init__(self, iterator):
+        self.iterator = iterator
+
+    def batches(self, epoch: int, rank: int, world: int) -> Iterator[tuple[int, DataSet]]:
+        if hasattr(self.iterator, "set_epoch"):
+            self.iterator.set_epoch(epoch)
+        for index, batch in enumerate(self.iterator):
+            if index % world == rank:
+                yield index // world, batch
+
+
+class QueueSource:
+    """Worker side of the coordinator's round-robin dealing."""
+
+    def __init__(self, inbox, stop_event, timeout: float):
+        self.inbox = inbox
+        self.stop_event = stop_event
+        self.timeout = timeout
+
+    def batches(self, epoch: int, rank: int, world: int) -> Iterator[tuple[int, DataSet]]:
+        round_index = 0
+        while True:
+            item = get_bounded(self.inbox, self.stop_event, self.timeout, f"batches for worker {rank}")
+            if isinstance(item, str) and item == END_OF_EPOCH:
+                return
+            features, labels = item
+            yield round_index, DataSet(features, labels)
+            round_index += 1
+
+
+def deal_batches(iterator, inboxes, epochs: int, first_epoch: int, stop_event, timeout: float) -> None:
+    """Coordinator side: batch ``b`` of each epoch goes to worker ``b % len(inboxes)``."""
+    expected = batches_per_epoch(iterator)
+    for epoch in range(first_epoch, first_epoch + epochs):
+        if hasattr(iterator, "set_epoch"):
+            iterator.set_epoch(epoch)
+        count = 0
+        for index, batch in enumerate(iterator):
+            put_bounded(inboxes[index % len(inboxes)], (batch.features, batch.labels), stop_event, timeout)
+            count += 1
+        if count != expected:
+            raise DataError(
+                f"{type(iterator).__name__} yielded {count} batches in epoch {epoch} but len() said {expected}"
+            )
+        for inbox in inboxes:
+            put_bounded(inbox, END_OF_EPOCH, stop_event, timeout)
+
+
+def put_bounded(q, item, stop_event, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not stop_event.is_set():
+        try:
+            q.put(item, timeout=POLL_SECONDS)
+            return
+        except queue.Full:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no worker took a batch for {timeout:.0f} s") from None
+
+
+def get_bounded(q, stop_event, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while stop_event is None or not stop_event.is_set():
+        try:
+            return q.get(timeout=POLL_SECONDS)
+        except queue.Empty:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {timeout:.0f} s for {what}") from None
+    raise InterruptedError(f"stopped while waiting for {what}")
+
+
+class Prefetcher:
+    """Up to ``depth`` batches ready on the worker's device ahead of the training step."""
+
+    def __init__(self, batches: Iterator[tuple[int, DataSet]], device: torch.device, depth: int,
+                 pin: bool, timeout: float):
+        self._source = batches
+        self._device = device
+        self._pin = pin and device.type == "cuda"
+        self._timeout = timeout
+        self._queue: queue.Queue | None = queue.Queue(maxsize=depth) if depth > 0 else None
+        self._stop = threading.Event()
+        if self._queue is not None:
+            self._thread = threading.Thread(target=self._fill, name="dl4py-prefetch", daemon=True)
+            self._thread.start()
+
+    def _move(self, item):
+        round_index, batch = item
+        x, y = batch.features, batch.labels
+        if self._pin:
+            x, y = x.pin_memory(), y.pin_memory()
+        return round_index, x.to(self._device, non_blocking=True), y.to(self._device, non_blocking=True)
+
+    def _fill(self) -> None:
+        try:
+            for item in self._source:
+                moved = self._move(item)
+                put_bounded(self._queue, moved, self._stop, self._timeout)
+            put_bounded(self._queue, None, self._stop, self._timeout)
+        except BaseException as exc:  # handed to the training thread, which raises it
+            if not self._stop.is_set():
+                try:
+                    self._queue.put(exc, timeout=self._timeout)
+                except queue.Full:
+                    pass
+
+    def __iter__(self):
+        if self._queue is None:
+            yield from (self._move(item) for item in self._source)
+            return
+        while True:
+            item = get_bounded(self._queue, self._stop, self._timeout, "the next prefetched batch")
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        self._stop.set()

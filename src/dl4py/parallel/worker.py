@@ -1,0 +1,219 @@
+"""One parallel worker: a model replica on its device, trained round by round.
+
+The same code runs in a process the ParallelWrapper spawned and in a process torchrun
+launched. Each worker runs the single-device trainer's step function on its own batches;
+in averaging mode the replicas are averaged every ``averaging_frequency`` rounds and at
+the end of each epoch, in shared-gradients mode gradients are averaged every step.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from dl4py.backend import Backend
+from dl4py.errors import DataError
+from dl4py.parallel.averaging import (
+    average,
+    mean_over_participants,
+    replica_state,
+    share_gradients,
+    stepped_parameters,
+)
+from dl4py.parallel.plan import RoundPlan
+from dl4py.parallel.sources import Prefetcher, QueueSource
+from dl4py.train.loop import EpochSummary, check_finite, epoch_rng
+from dl4py.train.step import make_train_step
+
+log = logging.getLogger("dl4py")
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker needs, as plain picklable data."""
+
+    model_path: str  # the model to replicate, as saved by Model.save
+    torch_model: object | None  # a TorchModel to load model_path into (None: MultiLayerNetwork)
+    source: object | None  # ShardedSource / StrideSource; None: batches come through a queue
+    num_batches: int
+    epochs: int
+    mode: str
+    averaging_frequency: int
+    average_updaters: bool
+    report_score: bool
+    prefetch: int
+    devices: list[str]
+    precision: str
+    timeout: float
+    threads: int | None = None
+    environment: dict | None = None
+    listeners: list = field(default_factory=list)  # run on worker 0
+    record_examples: bool = False  # return the first feature of every trained example (for tests)
+
+
+def worker_device(spec: WorkerSpec, rank: int) -> torch.device:
+    return torch.device(spec.devices[rank % len(spec.devices)])
+
+
+def spawned_worker_main(rank, world, spec, init_method, backend, messages, inbox, stop_event, result_path):
+    """Entry point of a process the ParallelWrapper started; reports to ``messages``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the coordinator's to handle
+    device = worker_device(spec, rank)
+    try:
+        dist.init_process_group(
+            backend, init_method=init_method, rank=rank, world_size=world,
+            timeout=timedelta(seconds=spec.timeout),
+        )
+        source = spec.source or QueueSource(inbox, stop_event, spec.timeout)
+        replica, report = train_replica(rank, world, spec, source)
+        if rank == 0:
+            replica.save(result_path)
+        messages.put(("done", rank, report))
+    except BaseException:
+        messages.put(("error", rank, str(device), traceback.format_exc()))
+        messages.close()
+        messages.join_thread()
+        sys.exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def build_replica(spec: WorkerSpec, device: torch.device):
+    from dl4py.nn.serialization import load, restore_state
+
+    backend = Backend("gpu" if device.type == "cuda" else "cpu", device, "parallel worker")
+    if spec.torch_model is None:
+        return load(spec.model_path, backend=backend, precision=spec.precision)
+    model = spec.torch_model
+    model._requested_backend, model._requested_precision = backend, spec.precision
+    restore_state(model, spec.model_path)
+    return model
+
+
+def train_replica(rank: int, world: int, spec: WorkerSpec, source):
+    """Train this worker's replica for ``spec.epochs`` epochs; returns it and a report."""
+    device = worker_device(spec, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif spec.threads:
+        torch.set_num_threads(spec.threads)  # workers sharing the cores must not oversubscribe them
+    if spec.environment is not None:
+        from dl4py.backend.cuda_environment import Environment
+
+        Environment.from_dict(spec.environment).apply(device)
+    replica = build_replica(spec, device)
+    replica.module.train()
+    # All replicas start from worker 0's state, whatever each process built.
+    with torch.no_grad():
+        for tensor in replica_state(replica, include_updater=True):
+            dist.broadcast(tensor, src=0)
+    if replica.master is not None:
+        replica.master.master_to_module()
+    hook = None
+    if spec.mode == "shared_gradients":
+        params = stepped_parameters(replica)
+
+        def hook(took_part):
+            share_gradients(params, took_part)
+
+    step = make_train_step(replica, gradient_hook=hook)
+    listeners = spec.listeners if rank == 0 else []
+    for listener in listeners:
+        listener.on_fit_start(replica)
+    report = {"summaries": [], "records": []}
+    try:
+        for _ in range(spec.epochs):
+            summary = _train_epoch(replica, step, rank, world, spec, source, device, report, listeners)
+            report["summaries"].append(summary.to_dict())
+            for listener in listeners:
+                listener.on_epoch_end(replica, summary)
+    finally:
+        for listener in listeners:
+            listener.on_fit_end(replica, False)
+    if spec.record_examples:
+        report["records"] = torch.cat(report["records"]).tolist() if report["records"] else []
+    return replica, report
+
+
+def _train_epoch(replica, step, rank, world, spec, source, device, report, listeners) -> EpochSummary:
+    epoch = replica.epoch_count
+    plan = RoundPlan(spec.num_batches, world)
+    if plan.rounds and plan.batches < world:
+        raise DataError(
+            f"the data has {plan.batches} batches per epoch but there are {world} workers; "
+            "use fewer workers or a smaller batch size"
+        )
+    for listener in listeners:
+        listener.on_epoch_start(replica, epoch)
+    started = time.perf_counter()
+    examples = batches = 0
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    last_loss, trained_since_average = None, False
+    pinned = bool((spec.environment or {}).get("pinned_memory", True))
+    prefetcher = Prefetcher(source.batches(epoch, rank, world), device, spec.prefetch,
+                            pin=pinned, timeout=spec.timeout)
+    batches_in = iter(prefetcher)
+    try:
+        with epoch_rng(replica, epoch, stream=rank):  # distinct dropout masks per worker
+            for round_index in range(plan.rounds):
+                mine = plan.batch_of(round_index, rank) is not None
+                if mine:
+                    item = next(batches_in, None)
+                    if item is None:
+                        raise DataError(f"worker {rank} ran out of batches in round {round_index} of epoch {epoch}")
+                    _, features, labels = item
+                    features = replica.precision.convert_input(features)
+                    if batches == 0:
+                        replica.check_features(features, f"worker {rank}, epoch {epoch}")
+                        replica.check_labels(labels, f"worker {rank}, epoch {epoch}")
+                    last_loss = step(features, labels)
+                    loss_sum += last_loss
+                    batches += 1
+                    examples += features.shape[0]
+                    trained_since_average = True
+                    if spec.record_examples:
+                        report["records"].append(features[:, 0].detach().to("cpu", torch.float64))
+                    for listener in listeners:
+                        listener.iteration_done(replica, replica.iteration_count + round_index + 1, epoch,
+                                                last_loss, features.shape[0])
+                elif spec.mode == "shared_gradients":
+                    step(None, None)  # apply the shared update without a batch of its own
+                if spec.mode == "averaging" and plan.averages_after(round_index, spec.averaging_frequency):
+                    _average(replica, spec, rank, round_index, last_loss, trained_since_average, device)
+                    trained_since_average = False
+    finally:
+        prefetcher.close()
+    totals = torch.tensor([examples, batches, float(loss_sum)], dtype=torch.float64, device=device)
+    dist.all_reduce(totals)
+    all_examples, all_batches, all_loss = int(totals[0]), int(totals[1]), float(totals[2])
+    check_finite(replica, totals[2], epoch)
+    if spec.mode == "shared_gradients":
+        replica._last_score = torch.tensor(all_loss / max(all_batches, 1))
+    replica.epoch_count += 1
+    replica.iteration_count += all_batches
+    return EpochSummary(epoch, all_batches, all_examples, all_loss / max(all_batches, 1),
+                        time.perf_counter() - started)
+
+
+def _average(replica, spec, rank, round_index, last_loss, took_part, device) -> None:
+    started = time.perf_counter()
+    count = average(replica_state(replica, spec.average_updaters), took_part)
+    if replica.master is not None:
+        replica.master.master_to_module()
+    score = mean_over_participants(last_loss, took_part, device)
+    replica._last_score = torch.tensor(score)
+    check_finite(replica, replica._last_score, replica.epoch_count)  # same verdict on every worker
+    if spec.report_score and rank == 0:
+        log.info(
+            "round %d: averaged score %.6f across %d workers (averaging took %.1f ms)",
+            round_index + 1, score, int(count), (time.perf_counter() - started) * 1000,
+        )

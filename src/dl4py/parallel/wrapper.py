@@ -1,0 +1,345 @@
+"""ParallelWrapper: data-parallel training of an existing model (DL4J's class of that name).
+
+    wrapper = ParallelWrapper(model, workers=2, prefetch_buffer=24, averaging_frequency=3,
+                              report_score_after_averaging=True)
+    wrapper.fit(MnistDataSetIterator(128, train=True, seed=12345), epochs=1)
+
+Workers are processes on ``torch.distributed``; worker ``i`` runs on device
+``devices[i % len(devices)]``. Started as a plain script, ``fit`` spawns the workers and
+watches them; under ``torchrun`` (any number of nodes) it runs as the launched process's
+worker instead. Afterwards ``model`` holds the averaged parameters (and updater state).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dl4py.backend.cuda_environment import environment
+from dl4py.errors import ConfigError, TrainingError, WorkerError
+from dl4py.nn.model import Model
+from dl4py.nn.serialization import restore_state
+from dl4py.parallel.sources import (
+    QueueSource,
+    ShardedSource,
+    StrideSource,
+    batches_per_epoch,
+    deal_batches,
+)
+from dl4py.parallel.worker import WorkerSpec, spawned_worker_main, train_replica
+from dl4py.train.loop import EpochSummary, TrainingInterrupted
+
+log = logging.getLogger("dl4py")
+
+MODES = ("averaging", "shared_gradients")
+POLL_SECONDS = 0.1
+GRACE_SECONDS = 3.0
+SETTLE_SECONDS = 2.0
+# Signs in a worker's traceback that it failed only because a peer went away.
+LOST_PEER_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+                   "DistNetworkError", "NCCL communicator was aborted", "Socket Timeout")
+
+
+def launched_by_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+class ParallelWrapper:
+    """Data-parallel training. Options are DL4J's; one that cannot apply is an error.
+
+    - ``workers``: processes (default: the number of usable GPUs, or 2 on CPU).
+    - ``prefetch_buffer``: batches each worker keeps ready on its device (0: none).
+    - ``averaging_frequency``: rounds between parameter averages (averaging mode).
+    - ``report_score_after_averaging``: log the averaged score and the averaging time.
+    - ``average_updaters``: average the updater state too (averaging mode; default on).
+    - ``training_mode``: ``"averaging"`` or ``"shared_gradients"`` (all-reduce every step).
+    - ``devices``: e.g. ``["cuda:0", "cuda:1"]`` or ``["cpu"]`` (default: the model's backend).
+    - ``timeout``: seconds any wait on another process may last before it is an error.
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        workers: int | None = None,
+        prefetch_buffer: int = 16,
+        averaging_frequency: int | None = None,
+        report_score_after_averaging: bool = False,
+        average_updaters: bool | None = None,
+        training_mode: str = "averaging",
+        devices: list | None = None,
+        timeout: float = 300.0,
+    ):
+        if not isinstance(model, Model):
+            raise TypeError(f"ParallelWrapper needs a dl4py model (MultiLayerNetwork or TorchModel), got {type(model).__name__}")
+        if training_mode not in MODES:
+            raise ConfigError("training_mode", f"must be one of {', '.join(MODES)}; got {training_mode!r}")
+        if training_mode == "shared_gradients":
+            for name, value in (("averaging_frequency", averaging_frequency), ("average_updaters", average_updaters)):
+                if value is not None:
+                    raise ConfigError(name, "applies to training_mode 'averaging' only: shared gradients keep every replica identical")
+            if report_score_after_averaging:
+                raise ConfigError("report_score_after_averaging", "applies to training_mode 'averaging' only")
+        self.model = model
+        self.training_mode = training_mode
+        self.averaging_frequency = _positive_int(1 if averaging_frequency is None else averaging_frequency, "averaging_frequency")
+        self.average_updaters = True if average_updaters is None else bool(average_updaters)
+        self.report_score_after_averaging = bool(report_score_after_averaging)
+        if not isinstance(prefetch_buffer, int) or isinstance(prefetch_buffer, bool) or prefetch_buffer < 0:
+            raise ConfigError("prefetch_buffer", f"must be an integer >= 0, got {prefetch_buffer!r}")
+        self.prefetch_buffer = prefetch_buffer
+        self.devices = None if devices is None else [str(torch.device(d if not isinstance(d, int) else f"cuda:{d}")) for d in devices]
+        self.workers = None if workers is None else _positive_int(workers, "workers")
+        if not timeout > 0:
+            raise ConfigError("timeout", f"must be positive, got {timeout!r}")
+        self.timeout = float(timeout)
+        self.last_records: dict[int, list[float]] = {}
+
+    # ---- public ---------------------------------------------------------------------------
+    def fit(self, iterator, epochs: int = 1, listeners=(), _record_examples: bool = False) -> list[EpochSummary]:
+        """Train ``epochs`` epochs; the model then holds the averaged parameters."""
+        if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
+            raise ConfigError("epochs", f"must be a positive integer, got {epochs!r}")
+        self.model.init()
+        if launched_by_torchrun():
+            return self._fit_launched(iterator, epochs, list(listeners), _record_examples)
+        return self._fit_spawned(iterator, epochs, list(listeners), _record_examples)
+
+    # ---- shared set-up -----------------------------------------------------------------
+    def _resolve_devices(self) -> list[str]:
+        if self.devices is not None:
+            for d in self.devices:
+                if d.startswith("cuda") and not torch.cuda.is_available():
+                    raise ConfigError("devices", f"{d} is not usable: this machine has no CUDA device")
+            return self.devices
+        if self.model.backend.device.type == "cuda":
+            return [f"cuda:{i}" for i in environment().usable_cuda_devices()]
+        return ["cpu"]
+
+    def _spec(self, iterator, epochs, listeners, devices, world, record) -> WorkerSpec:
+        from dl4py.data import ArrayDataSetIterator
+        from dl4py.nn.torch_model import TorchModel
+
+        cpu_workers = sum(1 for rank in range(world) if devices[rank % len(devices)] == "cpu")
+        return WorkerSpec(
+            model_path="",
+            torch_model=self.model if isinstance(self.model, TorchModel) else None,
+            source=ShardedSource(iterator) if isinstance(iterator, ArrayDataSetIterator) else None,
+            num_batches=batches_per_epoch(iterator),
+            epochs=epochs,
+            mode=self.training_mode,
+            averaging_frequency=self.averaging_frequency,
+            average_updaters=self.average_updaters,
+            report_score=self.report_score_after_averaging,
+            prefetch=self.prefetch_buffer,
+            devices=devices,
+            precision=self.model.precision.name,
+            timeout=self.timeout,
+            threads=max(1, (os.cpu_count() or 1) // cpu_workers) if cpu_workers else None,
+            environment=environment().to_dict(),  # every worker applies the same settings
+            listeners=listeners,
+            record_examples=record,
+        )
+
+    @staticmethod
+    def _process_group_backend(devices: list[str], world: int) -> str:
+        # NCCL needs one process per GPU; CPU workers, or several workers sharing a GPU
+        # (the seed recommends workers >= GPUs), communicate through gloo.
+        gpus = [devices[r % len(devices)] for r in range(world)]
+        if all(d.startswith("cuda") for d in gpus) and len(set(gpus)) == world:
+            return "nccl"
+        return "gloo"
+
+    # ---- spawned workers, watched by this process ----------------------------------------
+    def _fit_spawned(self, iterator, epochs, listeners, record) -> list[EpochSummary]:
+        devices = self._resolve_devices()
+        world = self.workers or (len(devices) if devices[0].startswith("cuda") else 2)
+        spec = self._spec(iterator, epochs, listeners, devices, world, record)
+        _check_picklable(spec)
+        ctx = mp.get_context("spawn")
+        with tempfile.TemporaryDirectory(prefix="dl4py-parallel-") as tmp:
+            spec.model_path = str(Path(tmp) / "model.dl4py")
+            self.model.save(spec.model_path)
+            result_path = str(Path(tmp) / "result.dl4py")
+            init_method = f"file://{Path(tmp) / 'rendezvous'}"
+            backend = self._process_group_backend(devices, world)
+            messages, stop_event = ctx.Queue(), ctx.Event()
+            inboxes = [ctx.Queue(maxsize=max(self.prefetch_buffer, 1)) for _ in range(world)] if spec.source is None else [None] * world
+            procs = [
+                ctx.Process(
+                    target=spawned_worker_main, name=f"dl4py-worker-{rank}", daemon=True,
+                    args=(rank, world, spec, init_method, backend, messages, inboxes[rank], stop_event, result_path),
+                )
+                for rank in range(world)
+            ]
+            feeder = _Feeder(iterator, inboxes, epochs, self.model.epoch_count, stop_event, self.timeout) if spec.source is None else None
+            try:
+                for proc in procs:
+                    proc.start()
+                if feeder is not None:
+                    feeder.start()
+                reports = self._watch(procs, spec, messages, feeder)
+            except KeyboardInterrupt:
+                raise TrainingInterrupted("parallel training stopped by Ctrl-C; every worker was stopped "
+                                          "and the model keeps its state from before this fit") from None
+            finally:
+                stop_event.set()
+                _stop_all(procs)
+            restore_state(self.model, result_path)
+        self.last_records = {rank: r["records"] for rank, r in reports.items()}
+        return [_summary(d) for d in reports[0]["summaries"]]
+
+    def _watch(self, procs, spec, messages, feeder) -> dict[int, dict]:
+        """Wait for every worker's report; the first failure stops them all and is raised."""
+        reports: dict[int, dict] = {}
+        failures: dict[int, tuple[str, str]] = {}  # rank -> (kind, detail)
+        settle_until = None
+        while len(reports) < len(procs):
+            message = _get(messages, POLL_SECONDS)
+            if message is not None and message[0] == "done":
+                reports[message[1]] = message[2]
+            elif message is not None:
+                _, rank, _device, trace = message
+                failures[rank] = ("lost-peer" if _is_lost_peer(trace) else "exception", f"raised an exception:\n{trace}")
+            for rank, proc in enumerate(procs):
+                if proc.exitcode not in (None, 0) and rank not in reports and rank not in failures:
+                    failures[rank] = ("died", None)  # its own report may still arrive: see below
+            if feeder is not None and feeder.error is not None:
+                raise TrainingError(f"reading batches for the workers failed: {feeder.error!r}") from feeder.error
+            if failures:
+                # A dead worker makes its peers fail too ("connection reset"): wait a moment
+                # so the cause, not its echo, is what gets reported.
+                settle_until = settle_until or time.monotonic() + SETTLE_SECONDS
+                if time.monotonic() >= settle_until or all(k == "exception" for k, _ in failures.values()):
+                    raise self._root_cause(failures, procs, spec)
+        return reports
+
+    @staticmethod
+    def _root_cause(failures, procs, spec) -> WorkerError:
+        order = {"exception": 0, "died": 1, "lost-peer": 2}
+        rank = min(failures, key=lambda r: (order[failures[r][0]], r))
+        kind, detail = failures[rank]
+        if kind == "died":
+            detail = _exit_description(procs[rank].exitcode)
+        others = sorted(r for r in failures if r != rank)
+        if others:
+            detail += f"\n(then worker{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} stopped as well)"
+        return WorkerError(rank, spec.devices[rank % len(spec.devices)], detail)
+
+    # ---- under torchrun: this process is one worker ----------------------------------------
+    def _fit_launched(self, iterator, epochs, listeners, record) -> list[EpochSummary]:
+        from dl4py.data import ArrayDataSetIterator
+
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ["LOCAL_RANK"])
+        if self.workers is not None and self.workers != world:
+            raise ConfigError("workers", f"is {self.workers} but torchrun launched {world} processes; leave it unset under torchrun")
+        if self.devices is not None:
+            devices = self.devices
+        elif self.model.backend.device.type == "cuda":
+            devices = [f"cuda:{local_rank % torch.cuda.device_count()}"]
+        else:
+            devices = ["cpu"]
+        spec = self._spec(iterator, epochs, listeners, devices, world, record)
+        spec.devices = [devices[local_rank % len(devices)]] * world  # this process's device, whatever its rank
+        if spec.source is None:
+            spec.source = StrideSource(iterator)
+        owns_group = not dist.is_initialized()
+        if owns_group:
+            backend = "nccl" if spec.devices[0].startswith("cuda") else "gloo"
+            dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=self.timeout))
+        try:
+            with tempfile.TemporaryDirectory(prefix=f"dl4py-rank{rank}-") as tmp:
+                spec.model_path = str(Path(tmp) / "model.dl4py")
+                self.model.save(spec.model_path)
+                replica, report = train_replica(rank, world, spec, spec.source)
+                replica.save(Path(tmp) / "result.dl4py")
+                restore_state(self.model, Path(tmp) / "result.dl4py")
+        finally:
+            if owns_group:
+                dist.destroy_process_group()
+        self.last_records = {rank: report["records"]}
+        return [_summary(d) for d in report["summaries"]]
+
+
+class _Feeder(threading.Thread):
+    """Deals a user iterator's batches to the workers' queues (any iterator, in this process)."""
+
+    def __init__(self, iterator, inboxes, epochs, first_epoch, stop_event, timeout):
+        super().__init__(name="dl4py-feeder", daemon=True)
+        self.args = (iterator, inboxes, epochs, first_epoch, stop_event, timeout)
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            deal_batches(*self.args)
+        except BaseException as exc:
+            if not self.args[4].is_set():
+                self.error = exc
+
+
+def _check_picklable(spec: WorkerSpec) -> None:
+    """Spawned workers receive the spec by pickle; say what cannot travel before starting any."""
+    for name, value in (("model", spec.torch_model), ("iterator", spec.source), ("listeners", spec.listeners)):
+        try:
+            pickle.dumps(value)
+        except Exception as exc:
+            hint = (" (define the module, loss and optimizer factory at module level, not as lambdas "
+                    "or local functions; or launch the script with torchrun, where nothing is pickled)"
+                    if name == "model" else "")
+            raise ConfigError(name, f"must be picklable to reach the worker processes: {exc}{hint}") from None
+
+
+def _get(q, timeout: float):
+    try:
+        return q.get(timeout=timeout)
+    except Exception:  # queue.Empty, or a queue torn down with its process
+        return None
+
+
+def _is_lost_peer(trace: str) -> bool:
+    return any(sign in trace for sign in LOST_PEER_SIGNS)
+
+
+def _stop_all(procs) -> None:
+    """Terminate what still runs, then kill what ignores it; nothing is left behind."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + GRACE_SECONDS
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=GRACE_SECONDS)
+
+
+def _exit_description(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"was killed by {name}"
+    return f"exited with code {exitcode} without reporting an error"
+
+
+def _summary(d: dict) -> EpochSummary:
+    return EpochSummary(d["epoch"], d["batches"], d["examples"], d["mean_loss"], d["seconds"])
+
+
+def _positive_int(value, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(name, f"must be a positive integer, got {value!r}")
+    return value

@@ -1,0 +1,224 @@
+"""ParallelWrapper on CPU worker processes (gloo): exactness, coverage, accuracy, faults."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dl4py import (
+    ArrayDataSetIterator,
+    DenseLayer,
+    InputType,
+    MnistDataSetIterator,
+    MultiLayerNetwork,
+    NetworkConfig,
+    OutputLayer,
+    RunConfig,
+    Sgd,
+    TorchModel,
+)
+from dl4py.errors import ConfigError, WorkerError
+from dl4py.parallel import ParallelWrapper
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def mlp(lr=0.1) -> NetworkConfig:
+    return NetworkConfig(
+        layers=[DenseLayer(n_out=12, activation="tanh"), OutputLayer(n_out=3)],
+        input_type=InputType.feed_forward(5), updater=Sgd(lr), seed=11,
+    )
+
+
+def toy(n: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 5, generator=gen)
+    return x, (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
+
+
+def reference_mean_gradient_steps(config, batches, workers, lr):
+    """One process: each round, step on the mean gradient of the round's batches."""
+    net = MultiLayerNetwork(config).init()
+    params = list(net.module.parameters())
+    for start in range(0, len(batches), workers):
+        grads = []
+        for x, y in batches[start:start + workers]:
+            net.module.zero_grad()
+            net.loss(net.module(x), y).backward()
+            grads.append([p.grad.clone() for p in params])
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                p -= lr * torch.stack([g[i] for g in grads]).mean(0)
+    return net
+
+
+@pytest.mark.parametrize("mode", ["averaging", "shared_gradients"])
+def test_matches_a_single_process_on_the_mean_gradient(mode):
+    x, y = toy(88)  # 11 batches of 8: 5 full rounds and one with worker 0 alone
+    data = ArrayDataSetIterator(x, y, batch_size=8, shuffle=False)
+    batches = [(x[i:i + 8], y[i:i + 8]) for i in range(0, 88, 8)]
+    expected = reference_mean_gradient_steps(mlp(), batches, workers=2, lr=0.1)
+
+    net = MultiLayerNetwork(mlp(), backend="cpu")
+    options = {"averaging_frequency": 1} if mode == "averaging" else {}
+    summaries = ParallelWrapper(net, workers=2, training_mode=mode, **options).fit(data, epochs=1)
+    assert summaries[0].batches == 11 and summaries[0].examples == 88
+    for (name, a), b in zip(net.module.named_parameters(), expected.module.parameters()):
+        assert torch.allclose(a, b, atol=1e-5), name
+    assert net.epoch_count == 1 and net.iteration_count == 11
+
+
+class PlainIterator:
+    """A user iterator that is not one of dl4py's: it goes through the bounded queues."""
+
+    def __init__(self, x, y, batch_size):
+        self.x, self.y, self.batch_size = x, y, batch_size
+
+    def __len__(self):
+        return -(-len(self.x) // self.batch_size)
+
+    def __iter__(self):
+        from dl4py import DataSet
+
+        for i in range(0, len(self.x), self.batch_size):
+            yield DataSet(self.x[i:i + self.batch_size], self.y[i:i + self.batch_size])
+
+
+@pytest.mark.parametrize("kind", ["built-in", "user iterator"])
+def test_every_example_is_trained_exactly_once_per_epoch(kind):
+    n = 1000
+    x, y = toy(n, seed=1)
+    x[:, 0] = torch.arange(n, dtype=torch.float32)  # feature 0 names the example
+    if kind == "built-in":
+        data = ArrayDataSetIterator(x, y, batch_size=64, shuffle=True, seed=5)  # 16 batches
+    else:
+        data = PlainIterator(x, y, batch_size=64)
+    wrapper = ParallelWrapper(MultiLayerNetwork(mlp(lr=0.001), backend="cpu"), workers=3, prefetch_buffer=2)
+    wrapper.fit(data, epochs=1, _record_examples=True)
+    seen = [int(v) for records in wrapper.last_records.values() for v in records]
+    counts = torch.bincount(torch.tensor(seen), minlength=n)
+    assert len(seen) == n and bool((counts == 1).all())
+    # 16 batches over 3 workers: 6 rounds, the last with worker 0 alone
+    assert [len(wrapper.last_records[r]) for r in range(3)] == [6 * 64 - 24, 5 * 64, 5 * 64]
+
+
+def test_lenet_two_workers_matches_single_worker_accuracy(mnist):
+    """The seed's set-up (2 workers, averaging every 3 rounds), with the learning rate 20%
+    higher for data-parallel training as DL4J's guide advises; same epochs as one worker."""
+    run = RunConfig.from_file(ROOT / "examples" / "lenet_mnist.yaml")
+    lr = run.network.updater.learning_rate
+    train = MnistDataSetIterator(128, train=True, seed=12345, limit=12_800)
+    test = MnistDataSetIterator(1000, train=False, shuffle=False, limit=5000)
+    single = MultiLayerNetwork(run.network, backend="cpu")
+    single.fit(train, epochs=6)
+    boosted = run.with_overrides([f"network.updater.learning_rate={lr * 1.2}"]).network
+    parallel = MultiLayerNetwork(boosted, backend="cpu")
+    ParallelWrapper(parallel, workers=2, averaging_frequency=3, prefetch_buffer=24).fit(train, epochs=6)
+    single_acc, parallel_acc = single.evaluate(test).accuracy(), parallel.evaluate(test).accuracy()
+    assert single_acc > 0.95
+    assert abs(parallel_acc - single_acc) <= 0.005, (single_acc, parallel_acc)
+
+
+class FaultyIterator(ArrayDataSetIterator):
+    """Makes worker 1 fail in its third batch: by raising, or by being killed."""
+
+    fault = "raise"
+
+    def _batch(self, indices):
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_rank() == 1:
+            self._served = getattr(self, "_served", 0) + 1
+            if self._served == 3:
+                if self.fault == "raise":
+                    raise RuntimeError("disk on fire while reading a batch")
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super()._batch(indices)
+
+
+class KilledIterator(FaultyIterator):
+    fault = "kill"
+
+
+def _children() -> list[int]:
+    """Live child processes of this test process, except Python's multiprocessing resource
+    tracker: one per interpreter, started by the first spawn and kept until the interpreter
+    exits; it is no worker."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == os.getpid() and fields[0] != "Z":
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if b"multiprocessing.resource_tracker" not in f.read():
+                        pids.append(int(entry))
+    return pids
+
+
+@pytest.mark.parametrize("iterator_class, detail", [
+    (FaultyIterator, "RuntimeError: disk on fire while reading a batch"),
+    (KilledIterator, "was killed by SIGKILL"),
+])
+def test_a_failing_worker_stops_fit_naming_it(iterator_class, detail):
+    x, y = toy(4096)
+    data = iterator_class(x, y, batch_size=16, shuffle=False)
+    net = MultiLayerNetwork(mlp(), backend="cpu")
+    before = [p.detach().clone() for p in net.init().module.parameters()]
+    started = time.monotonic()
+    with pytest.raises(WorkerError, match=r"worker 1 \(device cpu\) failed") as info:
+        ParallelWrapper(net, workers=2, prefetch_buffer=0).fit(data, epochs=50)
+    assert time.monotonic() - started < 30
+    assert detail in str(info.value)
+    assert info.value.rank == 1
+    assert multiprocessing.active_children() == [] and _children() == []
+    assert all(torch.equal(a, b) for a, b in zip(before, net.module.parameters()))  # untouched
+
+
+def test_options_that_cannot_apply_are_errors():
+    net = MultiLayerNetwork(mlp())
+    with pytest.raises(ConfigError, match="averaging_frequency: applies to training_mode 'averaging' only"):
+        ParallelWrapper(net, training_mode="shared_gradients", averaging_frequency=3)
+    with pytest.raises(ConfigError, match="average_updaters: applies to training_mode 'averaging'"):
+        ParallelWrapper(net, training_mode="shared_gradients", average_updaters=False)
+    with pytest.raises(ConfigError, match="report_score_after_averaging: applies"):
+        ParallelWrapper(net, training_mode="shared_gradients", report_score_after_averaging=True)
+    with pytest.raises(ConfigError, match="training_mode: must be one of averaging, shared_gradients"):
+        ParallelWrapper(net, training_mode="async")
+    with pytest.raises(ConfigError, match="workers: must be a positive integer, got 0"):
+        ParallelWrapper(net, workers=0)
+    with pytest.raises(ConfigError, match="prefetch_buffer: must be an integer >= 0"):
+        ParallelWrapper(net, prefetch_buffer=-1)
+    with pytest.raises(ConfigError, match="cuda:0 is not usable"):
+        if torch.cuda.is_available():
+            pytest.skip("this machine has CUDA")
+        ParallelWrapper(net, devices=["cuda:0"], workers=2).fit(ArrayDataSetIterator(*toy(64), batch_size=8))
+
+
+def _cross_entropy(outputs, labels):
+    return torch.nn.functional.cross_entropy(outputs, labels)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def test_plain_torch_module_trains_in_parallel():
+    x, y = toy(512)
+    module = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    model = TorchModel(module, loss=_cross_entropy, optimizer=_sgd, backend="cpu")
+    before = model.score((x, y))
+    ParallelWrapper(model, workers=2).fit(ArrayDataSetIterator(x, y, batch_size=32), epochs=3)
+    assert model.score((x, y)) < 0.8 * before
+    lambda_model = TorchModel(torch.nn.Linear(5, 3), loss=_cross_entropy, optimizer=lambda p: _sgd(p))
+    with pytest.raises(ConfigError, match="must be picklable"):
+        ParallelWrapper(lambda_model, workers=2).fit(ArrayDataSetIterator(x, y, batch_size=32))

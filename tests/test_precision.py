@@ -1,0 +1,260 @@
+"""Precision as one setting: float, double, half, bfloat16, mixed-fp16, mixed-bf16."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+import dl4py
+from dl4py import (
+    DenseLayer,
+    InputType,
+    MnistDataSetIterator,
+    MultiLayerNetwork,
+    Nesterovs,
+    NetworkConfig,
+    OutputLayer,
+    RunConfig,
+    Sgd,
+    TorchModel,
+)
+from dl4py.config import OneCycleSchedule, PolySchedule, StepSchedule
+from dl4py.errors import TrainingError
+
+ROOT = Path(__file__).resolve().parents[1]
+LENET = RunConfig.from_file(ROOT / "examples" / "lenet_mnist.yaml").network
+
+
+def param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.module.parameters())
+
+
+def mlp(**kw) -> NetworkConfig:
+    settings = dict(layers=[DenseLayer(n_out=16, activation="relu"), OutputLayer(n_out=3)],
+                    input_type=InputType.feed_forward(6), updater=Sgd(0.1), seed=4)
+    settings.update(kw)
+    return NetworkConfig(**settings)
+
+
+def toy_data(n=256):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 6, generator=gen)
+    return x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+
+
+def test_lenet_bfloat16_and_mixed_bf16_match_float_accuracy(mnist):
+    """The seed LeNet on an MNIST slice: 16-bit training within 0.5% of float."""
+    train = MnistDataSetIterator(128, train=True, seed=12345, limit=12_000)
+    test = MnistDataSetIterator(1000, train=False, shuffle=False, limit=5_000)
+    accuracy = {}
+    for precision in ("float", "bfloat16", "mixed-bf16"):
+        net = MultiLayerNetwork(LENET, precision=precision)
+        net.fit(train, epochs=1)
+        accuracy[precision] = net.evaluate(test).accuracy()
+    assert accuracy["float"] > 0.9, accuracy
+    for precision in ("bfloat16", "mixed-bf16"):
+        assert abs(accuracy[precision] - accuracy["float"]) <= 0.005, accuracy
+
+
+def test_lenet_trains_in_double_along_the_float_path(mnist):
+    train = MnistDataSetIterator(128, train=True, seed=12345, limit=6144)
+    probe = MnistDataSetIterator(1024, train=False, shuffle=False, limit=1024)
+    scores = {}
+    for precision in ("double", "float"):
+        net = MultiLayerNetwork(LENET, precision=precision)
+        before = net.score(probe)
+        net.fit(train, epochs=1)
+        scores[precision] = net.score(probe)
+    assert next(net.module.parameters()).dtype == torch.float32
+    assert scores["double"] < 0.5 * before
+    assert scores["double"] == pytest.approx(scores["float"], rel=1e-2)
+
+
+@pytest.mark.parametrize("precision, dtype, ratio", [
+    ("float", torch.float32, 1.0), ("double", torch.float64, 2.0), ("half", torch.float16, 0.5),
+    ("bfloat16", torch.bfloat16, 0.5), ("mixed-bf16", torch.float32, 1.0), ("mixed-fp16", torch.float32, 1.0),
+])
+def test_parameter_memory_follows_the_precision(precision, dtype, ratio, caplog):
+    float_bytes = param_bytes(MultiLayerNetwork(LENET, precision="float").init())
+    net = MultiLayerNetwork(LENET, precision=precision).init()
+    assert {p.dtype for p in net.module.parameters()} == {dtype}
+    assert param_bytes(net) == ratio * float_bytes == ratio * 431_080 * 4
+    if net.master is not None:  # the float32 masters are the updater's, 4 bytes per parameter
+        assert sum(p.numel() * p.element_size() for p in net.master.master_module.parameters()) == float_bytes
+
+
+def test_activations_run_in_the_chosen_precision():
+    x = torch.rand(4, 784)
+    assert MultiLayerNetwork(LENET, precision="bfloat16").output(x).dtype == torch.bfloat16
+    assert MultiLayerNetwork(LENET, precision="double").output(x).dtype == torch.float64
+    with torch.no_grad():
+        net = MultiLayerNetwork(LENET, precision="mixed-bf16").init()
+        with net.precision.forward_context(net.device):
+            assert net.module(x).dtype == torch.bfloat16  # autocast computes in bf16
+    assert next(net.module.parameters()).dtype == torch.float32
+
+
+def test_master_weights_keep_updates_too_small_for_16_bits():
+    """lr * grad = 1e-4 on a weight of 1.0: below bfloat16's spacing there (2**-7), so plain
+    bf16 updates would leave the weight at exactly 1.0 forever."""
+    def model():
+        module = torch.nn.Linear(1, 1, bias=False)
+        torch.nn.init.ones_(module.weight)
+        return TorchModel(module, loss=lambda out, _: out.mean(),
+                          optimizer=lambda p: torch.optim.SGD(p, lr=1e-4), precision="bfloat16")
+
+    net = model()
+    x, y = torch.ones(8, 1), torch.zeros(8, dtype=torch.long)
+    net.fit((x, y), epochs=100)
+    master = net.master.master_module.weight.item()
+    assert master == pytest.approx(0.99, abs=1e-5)  # float32 sum of 100 steps
+    assert net.module.weight.dtype == torch.bfloat16
+    assert net.module.weight.item() == torch.tensor(master).to(torch.bfloat16).item() != 1.0
+
+    plain = torch.ones(1, dtype=torch.bfloat16)
+    for _ in range(100):
+        plain -= 1e-4
+    assert plain.item() == 1.0  # what happens without master weights
+
+
+def test_half_with_loss_scaling_trains_on_cpu(caplog, monkeypatch):
+    import dl4py.nn.model
+
+    monkeypatch.setattr(dl4py.nn.model, "_warned", set())  # the warning is once per process
+    x, y = toy_data()
+    with caplog.at_level(logging.WARNING, logger="dl4py"):
+        net = MultiLayerNetwork(mlp(), precision="half")
+        before = net.score((x, y))
+        net.fit((x, y), epochs=10, batch_size=32)
+    assert net.scaler is not None and net.master is not None
+    assert net.score((x, y)) < 0.7 * before
+    assert "no fast float16 kernels" in caplog.text  # says fp16 is slow on CPUs, once
+
+
+def test_skipped_fp16_steps_do_not_advance_the_schedule():
+    x, y = toy_data(64)
+    config = mlp(updater=Nesterovs(learning_rate=0.1, schedule=StepSchedule(decay_rate=0.5, step=1)))
+    net = MultiLayerNetwork(config, precision="mixed-fp16").init()
+    # A scale this large overflows fp16 gradients: GradScaler skips and halves it each step.
+    net.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**60)
+    weights = [p.detach().clone() for p in net.module.parameters()]
+    net.fit((x, y), epochs=5, batch_size=16)  # 20 minibatches, all overflowing
+    assert net.iteration_count == 20 and net.update_count == 0
+    assert all(torch.equal(a, b) for a, b in zip(weights, net.module.parameters()))
+    assert net.optimizer.param_groups[0]["lr"] == 0.1  # the schedule stayed at step 0
+    assert net.scaler.get_scale() == 2.0**40
+
+    net.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)  # sane scale: updates apply
+    net._train_step = None
+    net.fit((x, y), epochs=1, batch_size=16)
+    assert net.update_count == 4
+    assert net.optimizer.param_groups[0]["lr"] == 0.1 * 0.5**3  # set before the 4th update
+
+
+def test_nan_error_names_the_precision_and_a_remedy():
+    x, y = toy_data(32)
+    x[5, 2] = float("inf")
+    with pytest.raises(TrainingError, match=r"precision 'bfloat16'"):
+        MultiLayerNetwork(mlp(), precision="bfloat16").fit((x, y), batch_size=8)
+    with pytest.raises(TrainingError, match=r"precision 'half'; use 'mixed-fp16' \(loss scaling\) or 'bfloat16'"):
+        MultiLayerNetwork(mlp(), precision="half").fit((x, y), batch_size=8)
+
+
+def test_bfloat16_save_load_keeps_masters_and_resumes_exactly(tmp_path):
+    x, y = toy_data()
+    straight = MultiLayerNetwork(mlp(), precision="bfloat16")
+    straight.fit((x, y), epochs=2, batch_size=32)
+    first = MultiLayerNetwork(mlp(), precision="bfloat16")
+    first.fit((x, y), epochs=1, batch_size=32)
+    first.save(tmp_path / "bf16.dl4py")
+    resumed = dl4py.load(tmp_path / "bf16.dl4py")
+    assert resumed.precision.name == "bfloat16"
+    assert torch.equal(resumed.output(x), first.output(x))
+    resumed.fit((x, y), epochs=1, batch_size=32)
+    for a, b in zip(straight.master.master_module.parameters(), resumed.master.master_module.parameters()):
+        assert torch.equal(a, b)
+    # Loaded as float, the float32 masters become the weights (not their bf16 roundings).
+    as_float = dl4py.load(tmp_path / "bf16.dl4py", precision="float")
+    for a, b in zip(first.master.master_module.parameters(), as_float.module.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_schedule_sets_the_learning_rate_and_resumes(tmp_path):
+    x, y = toy_data(64)
+    schedule = PolySchedule(power=1.0, max_steps=16)
+    net = MultiLayerNetwork(mlp(updater=Sgd(0.2, schedule=schedule)))
+    net.fit((x, y), epochs=2, batch_size=16)  # 8 updates; the 8th used t = 7
+    assert net.optimizer.param_groups[0]["lr"] == pytest.approx(0.2 * (1 - 7 / 16))
+    net.save(tmp_path / "s.dl4py")
+    resumed = dl4py.load(tmp_path / "s.dl4py")
+    resumed.fit((x, y), epochs=1, batch_size=16)
+    assert resumed.update_count == 12
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(0.2 * (1 - 11 / 16))
+
+
+def test_schedule_factors():
+    step = StepSchedule(decay_rate=0.1, step=10)
+    assert [step.factor(t) for t in (0, 9, 10, 25)] == pytest.approx([1, 1, 0.1, 0.01])
+    cycle = OneCycleSchedule(total_steps=100, warmup_fraction=0.2, start_factor=0.1, end_factor=0.0)
+    assert cycle.factor(0) == pytest.approx(0.1) and cycle.factor(20) == pytest.approx(1.0)
+    assert cycle.factor(60) == pytest.approx(0.5) and cycle.factor(100) == pytest.approx(0.0)
+    assert cycle.factor(500) == pytest.approx(0.0)
+    epochs = StepSchedule(decay_rate=0.5, step=1, unit="epoch")
+    assert epochs.step_count(updates=1000, epochs=3) == 3
+
+
+def test_precision_from_config_and_command_line(tmp_path, mnist, capsys):
+    from dl4py.cli import main
+
+    out = tmp_path / "run"
+    code = main(["train", str(ROOT / "examples" / "lenet_mnist.yaml"), "--precision", "bfloat16",
+                 "--output", str(out), "--no-progress", "--set", "data.limit_train=1024",
+                 "--set", "data.limit_test=200"])
+    assert code == 0
+    result = json.loads((out / "result.json").read_text())
+    assert result["precision"] == "bfloat16"
+    assert json.loads((out / "environment.json").read_text())["precision"] == "bfloat16"
+    assert dl4py.load(out / "model.dl4py").precision.name == "bfloat16"
+    assert main(["train", str(ROOT / "examples" / "lenet_mnist.yaml"), "--precision", "fp8",
+                 "--output", str(tmp_path / "x")]) == 2
+    assert "training.precision: must be one of" in capsys.readouterr().err
+
+
+def test_set_default_dtype_is_the_process_default():
+    dl4py.set_default_dtype("bfloat16")
+    try:
+        net = MultiLayerNetwork(mlp()).init()
+        assert net.precision.name == "bfloat16"
+        assert MultiLayerNetwork(mlp(), precision="float").init().precision.name == "float"
+    finally:
+        dl4py.set_default_dtype("float")
+
+
+@pytest.mark.torch_compile_threads
+def test_compiled_step_equals_eager():
+    """environment compile='default': torch.compile'd forward and backward, same results."""
+    from dl4py.backend.cuda_environment import environment
+
+    x, y = toy_data(64)
+    eager = MultiLayerNetwork(mlp())
+    eager.fit((x, y), epochs=3, batch_size=16)
+    env = environment()
+    env.update(compile="default")
+    try:
+        compiled = MultiLayerNetwork(mlp())
+        compiled.fit((x, y), epochs=3, batch_size=16)
+        assert type(compiled._compiled[1]).__name__ == "OptimizedModule"
+    finally:
+        env.update(compile="off")
+    for a, b in zip(eager.module.parameters(), compiled.module.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)
+    with pytest.raises(dl4py.BackendError, match="cuda_graphs needs the GPU backend"):
+        env.update(cuda_graphs=True)
+        try:
+            MultiLayerNetwork(mlp(), backend="cpu").fit((x, y), batch_size=16)
+        finally:
+            env.update(cuda_graphs=False)

@@ -1,0 +1,30 @@
+"""Launched by tests/test_multinode.py under torchrun: trains with a ParallelWrapper and
+saves the result (rank 0). Also runnable without torchrun, where it spawns its workers."""
+
+import sys
+
+import torch
+
+from dl4py import ArrayDataSetIterator, DenseLayer, InputType, MultiLayerNetwork, NetworkConfig, OutputLayer, Sgd
+from dl4py.parallel import ParallelWrapper, launched_by_torchrun
+
+
+def main(out: str, mode: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 5, generator=gen)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
+    config = NetworkConfig(layers=[DenseLayer(n_out=12, activation="tanh"), OutputLayer(n_out=3)],
+                           input_type=InputType.feed_forward(5), updater=Sgd(0.1), seed=11)
+    model = MultiLayerNetwork(config, backend="cpu")
+    options = {"averaging_frequency": 2} if mode == "averaging" else {}
+    workers = None if launched_by_torchrun() else 2
+    ParallelWrapper(model, workers=workers, training_mode=mode, **options).fit(
+        ArrayDataSetIterator(x, y, batch_size=16, shuffle=True, seed=3), epochs=2)
+    import os
+
+    if os.environ.get("RANK", "0") == "0":
+        model.save(out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
