@@ -6,7 +6,7 @@
 For each worker count: samples/s over the timed epochs (the first epoch is a warm-up and
 not counted; the workers' start-up is reported apart), against the single-device trainer
 in the same run. On one GPU, several workers share it (the seed's "workers >= GPUs").
-Writes parallel-<device>.json and .md to --out.
+Writes parallel-<device>-avg<K>.json and .md to --out.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=25_600)
     parser.add_argument("--epochs", type=int, default=3, help="including one warm-up epoch")
     parser.add_argument("--workers", default=None, help="comma-separated counts (default 1,2 on CPU; 1,2,4 on GPU)")
+    parser.add_argument("--averaging-frequency", type=int, default=3, help="rounds between averages (the seed uses 3)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
 
@@ -53,7 +54,8 @@ def main() -> None:
                  "samples_per_second": rate(single.fit(data, epochs=args.epochs)), "startup_seconds": 0.0})
     for workers in counts:
         model = MultiLayerNetwork(config, backend=args.device)
-        wrapper = ParallelWrapper(model, workers=workers, averaging_frequency=1, prefetch_buffer=16)
+        wrapper = ParallelWrapper(model, workers=workers, averaging_frequency=args.averaging_frequency,
+                                  prefetch_buffer=16)
         started = time.perf_counter()
         summaries = wrapper.fit(data, epochs=args.epochs)
         wall = time.perf_counter() - started
@@ -65,13 +67,14 @@ def main() -> None:
 
     device_name = torch.cuda.get_device_name(backend.device) if kind == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     result = {"device": device_name, "torch": torch.__version__, "examples_per_epoch": data.total_examples(),
-              "timed_epochs": timed, "batch_size": 128, "averaging_frequency": 1, "rows": rows}
+              "timed_epochs": timed, "batch_size": 128, "averaging_frequency": args.averaging_frequency, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"parallel-{kind}.json").write_text(json.dumps(result, indent=2) + "\n")
+    stem = f"parallel-{kind}-avg{args.averaging_frequency}"
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
         f"# Seed LeNet, ParallelWrapper throughput: {device_name}, torch {torch.__version__}",
         "",
-        f"{data.total_examples()} examples/epoch, batch 128, averaging every round, "
+        f"{data.total_examples()} examples/epoch, batch 128, averaging every {args.averaging_frequency} rounds, "
         f"{timed} timed epochs after one warm-up.",
         "",
         "| trainer | workers | samples/s | vs single device | worker start-up (s) |",
@@ -79,7 +82,7 @@ def main() -> None:
         *(f"| {r['trainer']} | {r['workers']} | {r['samples_per_second']:,.0f} | {r['vs_single_device']:.2f}x | "
           f"{r['startup_seconds']:.1f} |" for r in rows),
     ]
-    (args.out / f"parallel-{kind}.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -70,7 +70,10 @@ def test_resume_continues_the_epoch_count(tmp_path, mnist, capsys):
     (["--set", "network.layers[0].kernel_size=[40, 40]"], r"network\.layers\[0\]\.kernel_size: kernel \[40, 40\]"),
     (["--set", "network.layers[5].type=dense"], r"network\.layers\[5\]\.loss: unknown field for DenseLayer"),
     (["--set", "network.layers[4].activation=swish"], r"network\.layers\[4\]\.activation: must be one of"),
-    (["--set", "training.workers=2"], r"training\.workers: is 2, but parallel training"),
+    (["--averaging-frequency", "3"], r"training\.averaging_frequency: applies to parallel training only"),
+    (["--workers", "2", "--training-mode", "shared_gradients", "--averaging-frequency", "2"],
+     r"training\.averaging_frequency: applies to training_mode 'averaging' only"),
+    (["--workers", "0"], r"training\.workers: must be positive, got 0"),
     (["--backend", "gpu"], None),
 ])
 def test_bad_settings_fail_before_training_with_the_key(tmp_path, mnist, capsys, args, message):
@@ -118,3 +121,15 @@ def test_console_entry_point_runs_as_a_module():
                           text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "Total parameters: 431,080" in proc.stdout
+
+
+def test_train_with_two_workers_uses_the_parallel_wrapper(tmp_path, mnist, capsys):
+    out = tmp_path / "run"
+    assert run_cli("train", LENET, "--workers", 2, "--averaging-frequency", 3, "--output", out, *QUICK) == 0
+    result = json.loads((out / "result.json").read_text())
+    assert result["workers"] == 2 and result["status"] == "completed"
+    assert result["epoch_summaries"][0]["examples"] == 2048 and result["iterations"] == 16
+    assert result["test_accuracy"] > 0.3
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in records] == ["epoch", "evaluation"]  # written by worker 0
+    assert (out / "checkpoint.dl4py").is_file()

@@ -146,23 +146,27 @@ class KilledIterator(FaultyIterator):
     fault = "kill"
 
 
-def _children() -> list[int]:
-    """Live child processes of this test process, except Python's multiprocessing resource
-    tracker: one per interpreter, started by the first spawn and kept until the interpreter
-    exits; it is no worker."""
-    pids = []
+def _processes():
+    """(pid, stat fields after the name, command line) of every live process."""
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read()
             except OSError:
                 continue
-            if int(fields[1]) == os.getpid() and fields[0] != "Z":
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if b"multiprocessing.resource_tracker" not in f.read():
-                        pids.append(int(entry))
-    return pids
+            if fields[0] != "Z":
+                yield int(entry), fields, cmdline
+
+
+def _children() -> list[int]:
+    """Live child processes of this test process, except Python's multiprocessing resource
+    tracker: one per interpreter, started by the first spawn and kept until the interpreter
+    exits; it is no worker."""
+    return [pid for pid, fields, cmdline in _processes()
+            if int(fields[1]) == os.getpid() and b"multiprocessing.resource_tracker" not in cmdline]
 
 
 @pytest.mark.parametrize("iterator_class, detail", [
@@ -222,3 +226,32 @@ def test_plain_torch_module_trains_in_parallel():
     lambda_model = TorchModel(torch.nn.Linear(5, 3), loss=_cross_entropy, optimizer=lambda p: _sgd(p))
     with pytest.raises(ConfigError, match="must be picklable"):
         ParallelWrapper(lambda_model, workers=2).fit(ArrayDataSetIterator(x, y, batch_size=32))
+
+
+def _session_processes(sid: int) -> list[int]:
+    return [pid for pid, fields, _ in _processes() if int(fields[3]) == sid]  # fields[3]: session id
+
+
+def test_ctrl_c_stops_every_worker():
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "ctrl_c_train.py")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_session_processes(proc.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)  # the coordinator and its two workers (and the resource tracker)
+        assert len(_session_processes(proc.pid)) >= 3, "workers did not start"
+        time.sleep(2.0)  # let them train
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
+        output = proc.communicate(timeout=30)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, output[-2000:]
+    assert "interrupted: parallel training stopped by Ctrl-C; every worker was stopped" in output
+    time.sleep(0.5)
+    assert _session_processes(proc.pid) == []

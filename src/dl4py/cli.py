@@ -1,7 +1,9 @@
 """The ``dl4py`` command: a thin layer over RunConfig, train_run, load and Evaluation.
 
     dl4py train CONFIG.yaml [--epochs N] [--batch-size N] [--backend auto|cpu|gpu]
-                            [--precision P] [--output DIR] [--resume] [--set key=value ...]
+                            [--precision P] [--workers N] [--averaging-frequency K]
+                            [--training-mode averaging|shared_gradients]
+                            [--output DIR] [--resume] [--set key=value ...]
     dl4py evaluate MODEL [--config CONFIG] [--limit N] [--json]
     dl4py summary CONFIG
     dl4py info [--json]
@@ -31,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--batch-size", type=int, help="training.batch_size")
     train.add_argument("--backend", choices=["auto", "cpu", "gpu"], help="training.backend")
     train.add_argument("--precision", help="training.precision (float, double, half, bfloat16, mixed-fp16, mixed-bf16)")
+    train.add_argument("--workers", type=int, help="training.workers: > 1 trains data-parallel with a ParallelWrapper")
+    train.add_argument("--averaging-frequency", type=int, help="training.averaging_frequency (rounds between averages)")
+    train.add_argument("--training-mode", help="training.training_mode: averaging or shared_gradients")
     train.add_argument("--output", type=Path, help="run directory (default: runs/<config>-<time>)")
     train.add_argument("--resume", action="store_true", help="continue the run in --output from its checkpoint")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -72,6 +77,8 @@ def _train(args) -> int:
     flags = {
         "training.epochs": args.epochs, "training.batch_size": args.batch_size,
         "training.backend": args.backend, "training.precision": args.precision,
+        "training.workers": args.workers, "training.averaging_frequency": args.averaging_frequency,
+        "training.training_mode": args.training_mode,
     }
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + args.overrides
     config = config.with_overrides(overrides)

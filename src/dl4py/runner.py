@@ -107,12 +107,6 @@ def train_run(
 ) -> dict:
     """Train as ``config`` says, record everything in the run directory, return ``result.json``'s content."""
     started = time.perf_counter()
-    if config.training.workers != 1:
-        raise ConfigError(
-            "training.workers",
-            f"is {config.training.workers}, but parallel training (ParallelWrapper) is not available "
-            "in this version; use 1",
-        )
     run_dir = _prepare_run_dir(output, resume, config_name)
     from dl4py.backend.cuda_environment import environment
 
@@ -143,7 +137,7 @@ def train_run(
 
     result = {"status": "running", "run_dir": str(run_dir)}
     try:
-        summaries = model.fit(train, epochs=epochs_left, listeners=listeners)
+        summaries = _fit(model, config.training, train, epochs_left, listeners)
     except TrainingInterrupted:
         result.update(_result_fields(config, model, [], None, started), status="interrupted")
         atomic_write_json(run_dir / "result.json", result)
@@ -156,6 +150,23 @@ def train_run(
     result.update(_result_fields(config, model, summaries, evaluation, started), status="completed")
     atomic_write_json(run_dir / "result.json", result)
     return result
+
+
+def _fit(model, training, train, epochs: int, listeners: list):
+    if training.workers == 1:
+        return model.fit(train, epochs=epochs, listeners=listeners)
+    if epochs == 0:
+        return []
+    from dl4py.parallel import ParallelWrapper
+
+    wrapper = ParallelWrapper(
+        model, workers=training.workers, prefetch_buffer=training.prefetch_buffer,
+        averaging_frequency=training.averaging_frequency,
+        report_score_after_averaging=training.report_score_after_averaging,
+        training_mode=training.training_mode,
+    )
+    # Listeners run in worker 0 and see its replica, averaged at each epoch's end.
+    return wrapper.fit(train, epochs=epochs, listeners=[l for l in listeners if not isinstance(l, PerformanceListener)])
 
 
 def _prepare_run_dir(output, resume: bool, config_name: str) -> Path:

@@ -70,13 +70,8 @@ class Convolutional(InputType):
 
 @InputType.register("convolutional_flat")
 @dataclass(frozen=True)
-class ConvolutionalFlat(InputType):
-    height: int
-    width: int
-    channels: int
-
-    def validate(self, where: str) -> None:
-        _positive(self, where, "height", "width", "channels")
+class ConvolutionalFlat(Convolutional):
+    """Convolutional input that arrives flat, ``height*width*channels`` values per example."""
 
     def example_shape(self) -> tuple[int, ...]:
         return (self.height * self.width * self.channels,)

@@ -58,8 +58,13 @@ class TrainingConfig(ConfigBase):
     batch_size: int = 128
     backend: Literal["auto", "cpu", "gpu"] = "auto"
     precision: Precision = "float"
-    workers: int = 1
+    workers: int = 1  # more than 1: data-parallel training by a ParallelWrapper
     score_every: int = 100  # iterations between score reports (0: never)
+    # ParallelWrapper options (training.workers > 1); null = the wrapper's default
+    training_mode: Literal["averaging", "shared_gradients"] = "averaging"
+    averaging_frequency: Optional[int] = None  # rounds between averages (default 1)
+    prefetch_buffer: int = 16  # batches each worker keeps ready
+    report_score_after_averaging: bool = False
 
     def validate(self, where: str) -> None:
         for name in ("epochs", "batch_size", "workers"):
@@ -68,6 +73,19 @@ class TrainingConfig(ConfigBase):
                 raise ConfigError(join(where, name), f"must be positive, got {value}")
         if self.score_every < 0:
             raise ConfigError(join(where, "score_every"), f"must be zero or more, got {self.score_every}")
+        if self.prefetch_buffer < 0:
+            raise ConfigError(join(where, "prefetch_buffer"), f"must be zero or more, got {self.prefetch_buffer}")
+        if self.averaging_frequency is not None and self.averaging_frequency <= 0:
+            raise ConfigError(join(where, "averaging_frequency"), f"must be positive, got {self.averaging_frequency}")
+        if self.workers == 1:  # options of the parallel trainer must not be silently ignored
+            for name, inert in (("training_mode", "averaging"), ("averaging_frequency", None),
+                                ("report_score_after_averaging", False)):
+                if getattr(self, name) != inert:
+                    raise ConfigError(join(where, name), "applies to parallel training only: set training.workers > 1")
+        if self.training_mode == "shared_gradients":
+            for name, inert in (("averaging_frequency", None), ("report_score_after_averaging", False)):
+                if getattr(self, name) != inert:
+                    raise ConfigError(join(where, name), "applies to training_mode 'averaging' only")
 
 
 @dataclass(frozen=True)

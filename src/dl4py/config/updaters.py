@@ -73,13 +73,10 @@ class Adam(Updater):
 
 @Updater.register("adamw")
 @dataclass(frozen=True)
-class AdamW(Updater):
-    learning_rate: float = 1e-3
-    beta1: float = 0.9
-    beta2: float = 0.999
-    epsilon: float = 1e-8
+class AdamW(Adam):
+    """Adam with decoupled weight decay (applied to weights, not biases)."""
+
     weight_decay: float = 0.01
-    state_copies: ClassVar[int] = 2
 
 
 @Updater.register("rmsprop")

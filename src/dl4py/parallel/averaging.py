@@ -41,6 +41,8 @@ def average(tensors: list[torch.Tensor], took_part: bool) -> float:
     """Replace each tensor by its mean over the workers that took part; returns their number."""
     if not tensors:
         return 0.0
+    if dist.get_world_size() == 1:  # the mean of one is itself
+        return 1.0
     count = _participant_count(took_part, tensors[0].device)
     weight = 1.0 if took_part else 0.0
     for bucket in _buckets(tensors):
@@ -66,7 +68,8 @@ def mean_over_participants(value: torch.Tensor | None, took_part: bool, device: 
     """Mean of a scalar (e.g. the last minibatch loss) over the workers that took part."""
     pair = torch.tensor([float(value) if took_part and value is not None else 0.0, 1.0 if took_part else 0.0],
                         device=device, dtype=torch.float64)
-    dist.all_reduce(pair)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(pair)
     return float(pair[0] / pair[1]) if pair[1] > 0 else float("nan")
 
 

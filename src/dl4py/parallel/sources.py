@@ -53,7 +53,20 @@ class ShardedSource:
             if index is None:
                 return
             start, end = index * size, min((index + 1) * size, stop)
-            yield round_index, it._batch(slice(start, end) if order is None else order[start:end])
+            if order is None:
+                yield round_index, it._batch(slice(start, end))
+            else:
+                rows = order[start:end]
+                yield round_index, DataSet(_gather(it.features, rows), _gather(it.labels, rows))
+
+
+def _gather(tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows of ``tensor``. This runs on the prefetch thread: a torch op there would start a
+    second OpenMP team beside the training thread's and, on a CPU worker, slow training by
+    about a quarter (measured on 2 cores); numpy's single-threaded gather does not."""
+    if tensor.device.type == "cpu":
+        return torch.from_numpy(tensor.numpy()[rows.numpy()])
+    return tensor.index_select(0, rows.to(tensor.device))
 
 
 class StrideSource:
