@@ -133,3 +133,20 @@ def test_train_with_two_workers_uses_the_parallel_wrapper(tmp_path, mnist, capsy
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["kind"] for r in records] == ["epoch", "evaluation"]  # written by worker 0
     assert (out / "checkpoint.dl4py").is_file()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_early_stopping_from_the_config_writes_its_result_and_best_model(tmp_path, mnist, workers):
+    out = tmp_path / "run"
+    code = run_cli("train", LENET, "--output", out, "--workers", workers, *QUICK,
+                   "--set", "training.early_stopping={metric: accuracy, patience: 2, max_epochs: 3}")
+    assert code == 0
+    result = json.loads((out / "result.json").read_text())
+    stopping = result["early_stopping"]
+    assert stopping["termination_reason"] == "EpochTerminationCondition"
+    assert stopping["termination_details"] in ("MaxEpochs(3)", "ScoreImprovement(patience=2, min_delta=0.0)")
+    assert len(stopping["score_vs_epoch"]) == stopping["total_epochs"] <= 3
+    best = max(stopping["score_vs_epoch"].values())
+    assert stopping["best_model_score"] == best
+    assert (out / "bestModel.dl4py").is_file()
+    assert result["test_accuracy"] == pytest.approx(best)  # model.dl4py is the best model, scored on the same data

@@ -136,12 +136,20 @@ def train_run(
         listeners.append(ProgressBar(epochs_left, len(train)))
 
     result = {"status": "running", "run_dir": str(run_dir)}
+    stopping = None
     try:
-        summaries = _fit(model, config.training, train, epochs_left, listeners)
+        if config.training.early_stopping is None:
+            summaries = _fit(model, config.training, train, epochs_left, listeners)
+        else:
+            summaries = []
+            stopping = _fit_early_stopping(model, config, train, test, run_dir, listeners)
+            result["early_stopping"] = stopping.to_dict()
     except TrainingInterrupted:
         result.update(_result_fields(config, model, [], None, started), status="interrupted")
         atomic_write_json(run_dir / "result.json", result)
         raise
+    if stopping is not None and stopping.best_model_epoch >= 0:
+        model = stopping.best_model()  # the run's model is the best one; the last is the checkpoint
     evaluation = model.evaluate(test) if test is not None else None
     model.save(run_dir / MODEL)
     if evaluation is not None:
@@ -167,6 +175,46 @@ def _fit(model, training, train, epochs: int, listeners: list):
     )
     # Listeners run in worker 0 and see its replica, averaged at each epoch's end.
     return wrapper.fit(train, epochs=epochs, listeners=[l for l in listeners if not isinstance(l, PerformanceListener)])
+
+
+def _fit_early_stopping(model, config: RunConfig, train, test, run_dir: Path, listeners: list):
+    from dl4py.parallel import EarlyStoppingParallelTrainer
+    from dl4py.train.early_stopping import (
+        ClassificationScoreCalculator,
+        DataSetLossCalculator,
+        EarlyStoppingConfiguration,
+        EarlyStoppingTrainer,
+        InvalidScore,
+        LocalFileModelSaver,
+        MaxEpochs,
+        MaxTime,
+        ScoreImprovement,
+    )
+
+    section, training = config.training.early_stopping, config.training
+    if test is None:
+        raise ConfigError("training.early_stopping", "needs held-out data: set data.test_path")
+    calculator = (DataSetLossCalculator(test) if section.metric == "loss"
+                  else ClassificationScoreCalculator(section.metric, test))
+    epoch_conditions = [MaxEpochs(section.max_epochs or training.epochs)]
+    if section.patience is not None:
+        epoch_conditions.append(ScoreImprovement(section.patience, section.min_delta))
+    iteration_conditions = [InvalidScore()]
+    if section.max_minutes is not None:
+        iteration_conditions.append(MaxTime(section.max_minutes * 60))
+    es_config = EarlyStoppingConfiguration(
+        score_calculator=calculator, epoch_conditions=epoch_conditions,
+        iteration_conditions=iteration_conditions, model_saver=LocalFileModelSaver(run_dir),
+        evaluate_every_n_epochs=section.evaluate_every_n_epochs,
+    )
+    if training.workers == 1:
+        return EarlyStoppingTrainer(es_config, model, train, listeners=listeners).fit()
+    return EarlyStoppingParallelTrainer(
+        es_config, model, train, listeners=[l for l in listeners if not isinstance(l, PerformanceListener)],
+        workers=training.workers, prefetch_buffer=training.prefetch_buffer,
+        averaging_frequency=training.averaging_frequency,
+        report_score_after_averaging=training.report_score_after_averaging, training_mode=training.training_mode,
+    ).fit()
 
 
 def _prepare_run_dir(output, resume: bool, config_name: str) -> Path:

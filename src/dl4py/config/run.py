@@ -53,6 +53,27 @@ class DataConfig(ConfigBase):
 
 
 @dataclass(frozen=True)
+class EarlyStoppingSection(ConfigBase):
+    """``training.early_stopping``: stop when the held-out score (the data's test set, as in
+    DL4J's examples) stops improving; the best model is kept as ``bestModel.dl4py``."""
+
+    metric: Literal["accuracy", "f1", "precision", "recall", "loss"] = "accuracy"
+    patience: Optional[int] = None  # epochs without improvement before stopping (None: never)
+    min_delta: float = 0.0  # smaller improvements do not count
+    max_epochs: Optional[int] = None  # default: training.epochs
+    max_minutes: Optional[float] = None
+    evaluate_every_n_epochs: int = 1
+
+    def validate(self, where: str) -> None:
+        for name in ("patience", "max_epochs", "max_minutes", "evaluate_every_n_epochs"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(join(where, name), f"must be positive, got {value}")
+        if self.min_delta < 0:
+            raise ConfigError(join(where, "min_delta"), f"must be zero or more, got {self.min_delta}")
+
+
+@dataclass(frozen=True)
 class TrainingConfig(ConfigBase):
     epochs: int = 1
     batch_size: int = 128
@@ -65,6 +86,7 @@ class TrainingConfig(ConfigBase):
     averaging_frequency: Optional[int] = None  # rounds between averages (default 1)
     prefetch_buffer: int = 16  # batches each worker keeps ready
     report_score_after_averaging: bool = False
+    early_stopping: Optional[EarlyStoppingSection] = None
 
     def validate(self, where: str) -> None:
         for name in ("epochs", "batch_size", "workers"):

@@ -41,6 +41,7 @@ class Model:
         self.update_count = 0  # updates applied (fewer when loss scaling skipped some)
         self.batch_in_epoch = 0  # batches done in the current, unfinished epoch
         self._last_score: torch.Tensor | None = None
+        self._stop_reason: str | None = None
         self._train_step = None
         self._compiled = None  # (settings, torch.compile'd module) when the environment asks
 
@@ -139,6 +140,10 @@ class Model:
         from dl4py.train.loop import fit
 
         return fit(self, as_iterator(data, batch_size), epochs, list(listeners))
+
+    def request_stop(self, reason: str) -> None:
+        """Ask the running ``fit`` to stop after the current step (used by early stopping)."""
+        self._stop_reason = reason
 
     def score(self, data=None) -> float:
         """Loss of the last training minibatch (DL4J's ``score()``), or mean loss on ``data``."""

@@ -27,6 +27,11 @@ FORMAT_VERSION = 1
 
 
 def save_model(model, path, save_updater: bool = True) -> None:
+    atomic_write_bytes(path, model_bytes(model, save_updater))
+
+
+def model_bytes(model, save_updater: bool = True) -> bytes:
+    """The model file's content, in memory (what ``save`` writes)."""
     from dl4py import __version__
 
     model.init()
@@ -58,16 +63,17 @@ def save_model(model, path, save_updater: bool = True) -> None:
             state_json, state_tensors = _split_optimizer_state(model.optimizer.state_dict())
             zf.writestr("updater.json", json.dumps(state_json))
             zf.writestr("updater.safetensors", st_save(state_tensors))
-    atomic_write_bytes(path, buffer.getvalue())
+    return buffer.getvalue()
 
 
 def load(path, into=None, backend=None, precision=None):
-    """Restore a saved model. A MultiLayerNetwork is rebuilt from its config; a TorchModel's
-    weights are loaded ``into`` a TorchModel you construct with the same module class."""
+    """Restore a saved model (a path, or the bytes of a model file). A MultiLayerNetwork is
+    rebuilt from its config; a TorchModel's weights are loaded ``into`` a TorchModel you
+    construct with the same module class."""
     from dl4py.config.network import NetworkConfig
     from dl4py.nn.network import MultiLayerNetwork
 
-    path = Path(path)
+    path = path if isinstance(path, (bytes, bytearray)) else Path(path)
     entries, meta = _read_checked(path)
     precision = precision or meta["precision"]
     if meta["kind"] == "multilayer":
@@ -89,13 +95,13 @@ def load(path, into=None, backend=None, precision=None):
 
 def restore_state(model, path) -> None:
     """Load a saved model's weights, updater state and counters into ``model`` (same architecture)."""
-    path = Path(path)
+    path = path if isinstance(path, (bytes, bytearray)) else Path(path)
     entries, meta = _read_checked(path)
     model.init()
     _restore(model, entries, meta, path)
 
 
-def _read_checked(path: Path) -> tuple[dict[str, bytes], dict]:
+def _read_checked(path) -> tuple[dict[str, bytes], dict]:
     entries = _read_entries(path)
     meta = json.loads(entries["meta.json"])
     if meta.get("format") != FORMAT:
@@ -141,10 +147,13 @@ def _restore_masters(model, masters: dict[str, torch.Tensor] | None) -> None:
             model.module.get_parameter(name).copy_(value)
 
 
-def _read_entries(path: Path) -> dict[str, bytes]:
+def _read_entries(path) -> dict[str, bytes]:
+    source = io.BytesIO(path) if isinstance(path, (bytes, bytearray)) else path
+    if source is not path:
+        path = "<model bytes>"
     try:
         # ZipFile.read checks each entry's CRC, so a flipped byte is caught here.
-        with zipfile.ZipFile(path) as zf:
+        with zipfile.ZipFile(source) as zf:
             entries = {name: zf.read(name) for name in zf.namelist()}
     except FileNotFoundError:
         raise DataError(f"{path}: no such model file") from None

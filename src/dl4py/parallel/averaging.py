@@ -44,6 +44,8 @@ def average(tensors: list[torch.Tensor], took_part: bool) -> float:
     if dist.get_world_size() == 1:  # the mean of one is itself
         return 1.0
     count = _participant_count(took_part, tensors[0].device)
+    if count == 0:  # nobody trained since the last average: nothing to do, on every worker alike
+        return 0.0
     weight = 1.0 if took_part else 0.0
     for bucket in _buckets(tensors):
         wide = torch.float64 if bucket[0].dtype == torch.float64 else torch.float32

@@ -48,6 +48,9 @@ class ShardedSource:
         plan = RoundPlan(len(it), world)
         size, stop = it.batch_size, it.total_examples()
         order = it.epoch_order(epoch) if it.shuffle else None
+        # dl4py's own batching is replaced by a thread-friendly gather; a subclass that
+        # builds its batches its own way keeps its way.
+        own_batches = type(it)._batch is not ArrayDataSetIterator._batch
         for round_index in range(plan.rounds):
             index = plan.batch_of(round_index, rank)
             if index is None:
@@ -55,6 +58,8 @@ class ShardedSource:
             start, end = index * size, min((index + 1) * size, stop)
             if order is None:
                 yield round_index, it._batch(slice(start, end))
+            elif own_batches:
+                yield round_index, it._batch(order[start:end])
             else:
                 rows = order[start:end]
                 yield round_index, DataSet(_gather(it.features, rows), _gather(it.labels, rows))

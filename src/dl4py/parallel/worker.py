@@ -57,6 +57,7 @@ class WorkerSpec:
     environment: dict | None = None
     listeners: list = field(default_factory=list)  # run on worker 0
     record_examples: bool = False  # return the first feature of every trained example (for tests)
+    controller: object | None = None  # EarlyStoppingController: stop on its conditions
 
 
 def worker_device(spec: WorkerSpec, rank: int) -> torch.device:
@@ -129,19 +130,52 @@ def train_replica(rank: int, world: int, spec: WorkerSpec, source):
     listeners = spec.listeners if rank == 0 else []
     for listener in listeners:
         listener.on_fit_start(replica)
-    report = {"summaries": [], "records": []}
+    report = {"summaries": [], "records": [], "stop": None}
+    controller = spec.controller
+    if controller is not None:
+        controller.start(replica.epoch_count)
     try:
         for _ in range(spec.epochs):
             summary = _train_epoch(replica, step, rank, world, spec, source, device, report, listeners)
             report["summaries"].append(summary.to_dict())
+            if report["stop"] is not None:
+                break  # an iteration condition fired on some worker: all stopped in the same round
             for listener in listeners:
                 listener.on_epoch_end(replica, summary)
+            if controller is not None and _epoch_decision(replica, controller, rank, device, report):
+                break
     finally:
         for listener in listeners:
             listener.on_fit_end(replica, False)
     if spec.record_examples:
         report["records"] = torch.cat(report["records"]).tolist() if report["records"] else []
+    if controller is not None and rank == 0:
+        report["early_stopping"] = controller.state()  # plain data: scores, best epoch, saver
     return replica, report
+
+
+def _epoch_decision(replica, controller, rank, device, report) -> bool:
+    """Worker 0 scores the (averaged) replica and asks the epoch conditions; all follow it."""
+    reason = controller.end_of_epoch(replica, replica.epoch_count - 1) if rank == 0 else None
+    flag = torch.tensor([1.0 if reason is not None else 0.0], device=device)
+    dist.broadcast(flag, src=0)
+    if flag.item() > 0:
+        report["stop"] = ("EpochTerminationCondition", reason)
+        return True
+    return False
+
+
+def _iteration_stop(controller, last_loss, mine: bool, device) -> str | None:
+    """Every worker asks the iteration conditions about its own last loss; if any fires,
+    all stop in this round. The reason reported is the first firing worker's."""
+    local = controller.check_iteration(float(last_loss)) if mine and last_loss is not None else None
+    flag = torch.tensor([1.0 if local is not None else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() == 0:
+        return None
+    reasons = [None] * dist.get_world_size()
+    dist.all_gather_object(reasons, local)
+    return next((f"{r} (worker {i})" for i, r in enumerate(reasons) if r is not None), "iteration condition")
 
 
 def _train_epoch(replica, step, rank, world, spec, source, device, report, listeners) -> EpochSummary:
@@ -187,21 +221,30 @@ def _train_epoch(replica, step, rank, world, spec, source, device, report, liste
                                                 last_loss, features.shape[0])
                 elif spec.mode == "shared_gradients":
                     step(None, None)  # apply the shared update without a batch of its own
-                if spec.mode == "averaging" and plan.averages_after(round_index, spec.averaging_frequency):
+                stop = None
+                if spec.controller is not None:
+                    stop = _iteration_stop(spec.controller, last_loss, mine, device)
+                last_round = plan.averages_after(round_index, spec.averaging_frequency)
+                if spec.mode == "averaging" and (last_round or stop is not None):
                     _average(replica, spec, rank, round_index, last_loss, trained_since_average, device)
                     trained_since_average = False
+                if stop is not None:
+                    report["stop"] = ("IterationTerminationCondition", stop)
+                    break
     finally:
         prefetcher.close()
     totals = torch.tensor([examples, batches, float(loss_sum)], dtype=torch.float64, device=device)
     dist.all_reduce(totals)
     all_examples, all_batches, all_loss = int(totals[0]), int(totals[1]), float(totals[2])
-    check_finite(replica, totals[2], epoch)
     if spec.mode == "shared_gradients":
         replica._last_score = torch.tensor(all_loss / max(all_batches, 1))
-    replica.epoch_count += 1
+    completed = report["stop"] is None
+    if completed:
+        check_finite(replica, totals[2], epoch)
+        replica.epoch_count += 1
     replica.iteration_count += all_batches
     return EpochSummary(epoch, all_batches, all_examples, all_loss / max(all_batches, 1),
-                        time.perf_counter() - started)
+                        time.perf_counter() - started, completed=completed)
 
 
 def _average(replica, spec, rank, round_index, last_loss, took_part, device) -> None:
@@ -211,7 +254,8 @@ def _average(replica, spec, rank, round_index, last_loss, took_part, device) -> 
         replica.master.master_to_module()
     score = mean_over_participants(last_loss, took_part, device)
     replica._last_score = torch.tensor(score)
-    check_finite(replica, replica._last_score, replica.epoch_count)  # same verdict on every worker
+    if spec.controller is None:  # with early stopping, its InvalidScore decides instead
+        check_finite(replica, replica._last_score, replica.epoch_count)  # same verdict on every worker
     if spec.report_score and rank == 0:
         log.info(
             "round %d: averaged score %.6f across %d workers (averaging took %.1f ms)",

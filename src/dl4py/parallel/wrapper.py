@@ -110,10 +110,16 @@ class ParallelWrapper:
         """Train ``epochs`` epochs; the model then holds the averaged parameters."""
         if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
             raise ConfigError("epochs", f"must be a positive integer, got {epochs!r}")
+        return self._fit(iterator, epochs, listeners, _record_examples, None)
+
+    def _fit(self, iterator, epochs, listeners, record, controller):
+        """Train; with an early-stopping ``controller``, until its conditions say stop.
+        ``self.last_report`` then holds worker 0's report (its controller and stop reason)."""
         self.model.init()
+        self._controller = controller
         if launched_by_torchrun():
-            return self._fit_launched(iterator, epochs, list(listeners), _record_examples)
-        return self._fit_spawned(iterator, epochs, list(listeners), _record_examples)
+            return self._fit_launched(iterator, epochs, list(listeners), record)
+        return self._fit_spawned(iterator, epochs, list(listeners), record)
 
     # ---- shared set-up -----------------------------------------------------------------
     def _resolve_devices(self) -> list[str]:
@@ -149,6 +155,7 @@ class ParallelWrapper:
             environment=environment().to_dict(),  # every worker applies the same settings
             listeners=listeners,
             record_examples=record,
+            controller=getattr(self, "_controller", None),
         )
 
     @staticmethod
@@ -197,6 +204,7 @@ class ParallelWrapper:
                 _stop_all(procs)
             restore_state(self.model, result_path)
         self.last_records = {rank: r["records"] for rank, r in reports.items()}
+        self.last_report = reports[0]
         return [_summary(d) for d in reports[0]["summaries"]]
 
     def _watch(self, procs, spec, messages, feeder) -> dict[int, dict]:
@@ -212,10 +220,14 @@ class ParallelWrapper:
                 _, rank, _device, trace = message
                 failures[rank] = ("lost-peer" if _is_lost_peer(trace) else "exception", f"raised an exception:\n{trace}")
             for rank, proc in enumerate(procs):
-                if proc.exitcode not in (None, 0) and rank not in reports and rank not in failures:
-                    failures[rank] = ("died", None)  # its own report may still arrive: see below
+                if proc.exitcode is not None and rank not in reports and rank not in failures:
+                    # Its own report may still be in flight: see the settling below. A clean
+                    # exit without one means its report was lost (e.g. could not be sent).
+                    failures[rank] = ("died", None) if proc.exitcode != 0 else ("silent", None)
             if feeder is not None and feeder.error is not None:
                 raise TrainingError(f"reading batches for the workers failed: {feeder.error!r}") from feeder.error
+            for rank in [r for r in failures if r in reports]:
+                del failures[rank]  # a report that arrived after its sender exited
             if failures:
                 # A dead worker makes its peers fail too ("connection reset"): wait a moment
                 # so the cause, not its echo, is what gets reported.
@@ -226,11 +238,13 @@ class ParallelWrapper:
 
     @staticmethod
     def _root_cause(failures, procs, spec) -> WorkerError:
-        order = {"exception": 0, "died": 1, "lost-peer": 2}
+        order = {"exception": 0, "died": 1, "silent": 2, "lost-peer": 3}
         rank = min(failures, key=lambda r: (order[failures[r][0]], r))
         kind, detail = failures[rank]
         if kind == "died":
             detail = _exit_description(procs[rank].exitcode)
+        elif kind == "silent":
+            detail = "exited without reporting its result (its report could not be sent back; see its stderr)"
         others = sorted(r for r in failures if r != rank)
         if others:
             detail += f"\n(then worker{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} stopped as well)"
@@ -269,6 +283,7 @@ class ParallelWrapper:
             if owns_group:
                 dist.destroy_process_group()
         self.last_records = {rank: report["records"]}
+        self.last_report = report
         return [_summary(d) for d in report["summaries"]]
 
 
@@ -336,7 +351,7 @@ def _exit_description(exitcode: int) -> str:
 
 
 def _summary(d: dict) -> EpochSummary:
-    return EpochSummary(d["epoch"], d["batches"], d["examples"], d["mean_loss"], d["seconds"])
+    return EpochSummary(d["epoch"], d["batches"], d["examples"], d["mean_loss"], d["seconds"], d["completed"])
 
 
 def _positive_int(value, name: str) -> int:

@@ -31,6 +31,7 @@ class EpochSummary:
     examples: int
     mean_loss: float
     seconds: float
+    completed: bool = True  # False when a stop was requested part-way through the epoch
 
     @property
     def samples_per_second(self) -> float:
@@ -45,6 +46,7 @@ def fit(model, iterator, epochs: int, listeners: list) -> list[EpochSummary]:
         raise ValueError(f"fit: epochs must be a non-negative integer, got {epochs!r}")
     model.init()
     model.module.train()
+    model._stop_reason = None
     if model._train_step is None:
         model._train_step = make_train_step(model)
     summaries: list[EpochSummary] = []
@@ -59,6 +61,8 @@ def fit(model, iterator, epochs: int, listeners: list) -> list[EpochSummary]:
                     interrupted = True
                     break
                 summaries.append(summary)
+                if not summary.completed:
+                    break  # a listener asked to stop (early stopping)
                 for listener in listeners:
                     listener.on_epoch_end(model, summary)
         finally:
@@ -102,6 +106,9 @@ def _run_epoch(model, iterator, listeners, interrupt) -> EpochSummary | None:
             loss_sum += loss
             for listener in listeners:
                 listener.iteration_done(model, model.iteration_count, epoch, loss, features.shape[0])
+            if model._stop_reason is not None:  # before the NaN check: a stop on NaN is asked for
+                seconds = time.perf_counter() - started
+                return EpochSummary(epoch, batches, examples, float(loss_sum) / batches, seconds, completed=False)
             if batches % NAN_CHECK_EVERY == 0:
                 check_finite(model, loss_sum, epoch)
             if interrupt.requested:

@@ -1,0 +1,47 @@
+"""EarlyStoppingParallelTrainer: early stopping while a ParallelWrapper trains.
+
+The same controller as the single-device trainer decides: every worker asks the
+iteration conditions (time, NaN) after each round and all stop in the same round if any
+fires; after each epoch worker 0 scores the averaged model, keeps the best one and asks
+the epoch conditions, and the others follow its decision. Unlike DL4J's, the trainer can
+be used again: each ``fit`` starts fresh workers. The best model is chosen the right way
+round for maximised scores (DL4J compared with ``<``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from dl4py.parallel.wrapper import ParallelWrapper
+from dl4py.train.early_stopping.configuration import ERROR, EarlyStoppingConfiguration, EarlyStoppingResult
+from dl4py.train.early_stopping.controller import EarlyStoppingController
+from dl4py.train.loop import TrainingInterrupted
+
+log = logging.getLogger("dl4py")
+UNTIL_A_CONDITION_FIRES = 10**9  # epochs: the conditions end training, not a count
+
+
+class EarlyStoppingParallelTrainer:
+    """``EarlyStoppingParallelTrainer(config, model, train, workers=2, averaging_frequency=3).fit()``;
+    other keyword arguments are the ParallelWrapper's."""
+
+    def __init__(self, config: EarlyStoppingConfiguration, model, train, listeners=(), **wrapper_options):
+        if not isinstance(config, EarlyStoppingConfiguration):
+            raise TypeError(f"EarlyStoppingParallelTrainer needs an EarlyStoppingConfiguration, got {type(config).__name__}")
+        self.config, self.train, self.listeners = config, train, list(listeners)
+        self.wrapper = ParallelWrapper(model, **wrapper_options)
+
+    def fit(self) -> EarlyStoppingResult:
+        controller = EarlyStoppingController(self.config)
+        try:
+            self.wrapper._fit(self.train, UNTIL_A_CONDITION_FIRES, self.listeners, False, controller)
+        except (TrainingInterrupted, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            log.error("early stopping: parallel training failed: %s", exc)
+            return controller.result(ERROR, f"{type(exc).__name__}: {exc}")
+        report = self.wrapper.last_report
+        if "early_stopping" in report:  # worker 0 decided; under torchrun other ranks did not
+            controller.load_state(report["early_stopping"])
+        kind, details = report["stop"]
+        return controller.result(kind, details)

@@ -1,0 +1,95 @@
+"""The early-stopping logic both trainers share: conditions, scoring, keeping the best model.
+
+The single-device trainer calls it from a listener and after each epoch; in parallel
+training every worker checks the iteration conditions and worker 0 makes the epoch
+decisions, which the others follow. Being plain picklable state, it travels to workers
+and back.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from dl4py.train.early_stopping.configuration import EarlyStoppingConfiguration, EarlyStoppingResult
+
+log = logging.getLogger("dl4py")
+
+
+class EarlyStoppingController:
+    def __init__(self, config: EarlyStoppingConfiguration):
+        self.config = config
+        self.start()
+
+    def start(self, first_epoch: int = 0) -> None:
+        """Begin a fit whose first epoch is the model's epoch ``first_epoch``. Conditions
+        count this fit's epochs (MaxEpochs(3): three more); scores keep the model's numbers."""
+        for condition in (*self.config.epoch_conditions, *self.config.iteration_conditions):
+            condition.initialize()
+        self.first_epoch = first_epoch
+        self.score_vs_epoch: dict[int, float] = {}
+        self.best_epoch, self.best_score = -1, math.nan
+        self.epochs_done = 0
+        self.last_score = math.nan
+
+    @property
+    def minimize(self) -> bool:
+        return self.config.score_calculator.minimize_score
+
+    def check_iteration(self, loss: float) -> str | None:
+        """The first iteration condition that fires on this minibatch loss, described; else None."""
+        for condition in self.config.iteration_conditions:
+            if condition.terminate(loss):
+                return str(condition)
+        return None
+
+    def end_of_epoch(self, model, epoch: int) -> str | None:
+        """Score (every n epochs), keep the best model, and ask the epoch conditions."""
+        local = epoch - self.first_epoch
+        self.epochs_done = local + 1
+        evaluated = (local + 1) % self.config.evaluate_every_n_epochs == 0
+        if evaluated:
+            score = float(self.config.score_calculator.calculate_score(model))
+            self.score_vs_epoch[epoch] = score
+            self.last_score = score
+            if self._better(score):
+                self.best_epoch, self.best_score = epoch, score
+                self.config.model_saver.save_best(model, score)
+            if self.config.save_last_model:
+                self.config.model_saver.save_latest(model, score)
+            log.info("epoch %d: score %.6f (best %.6f at epoch %d)", epoch, score, self.best_score, self.best_epoch)
+        for condition in self.config.epoch_conditions:
+            if (evaluated or not condition.needs_score) and condition.terminate(local, self.last_score, self.minimize):
+                return str(condition)
+        return None
+
+    def _better(self, score: float) -> bool:
+        if math.isnan(score):
+            return False
+        if math.isnan(self.best_score):
+            return True
+        return score < self.best_score if self.minimize else score > self.best_score
+
+    def state(self) -> dict:
+        """What the run decided, as plain data (a parallel worker sends it back)."""
+        saver = self.config.model_saver
+        return {
+            "score_vs_epoch": dict(self.score_vs_epoch), "best_epoch": self.best_epoch,
+            "best_score": self.best_score, "epochs_done": self.epochs_done, "last_score": self.last_score,
+            "saver": saver.state() if hasattr(saver, "state") else None,
+        }
+
+    def load_state(self, state: dict) -> None:
+        self.score_vs_epoch = dict(state["score_vs_epoch"])
+        self.best_epoch, self.best_score = state["best_epoch"], state["best_score"]
+        self.epochs_done, self.last_score = state["epochs_done"], state["last_score"]
+        if state["saver"] is not None:
+            self.config.model_saver.load_state(state["saver"])
+
+    def result(self, reason: str, details: str) -> EarlyStoppingResult:
+        return EarlyStoppingResult(
+            termination_reason=reason, termination_details=details,
+            score_vs_epoch=dict(self.score_vs_epoch), best_model_epoch=self.best_epoch,
+            best_model_score=self.best_score, total_epochs=self.epochs_done,
+            model_saver=self.config.model_saver,
+        )

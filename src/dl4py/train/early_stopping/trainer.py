@@ -1,0 +1,67 @@
+"""EarlyStoppingTrainer: single-device training until a termination condition fires."""
+
+from __future__ import annotations
+
+import logging
+import traceback
+
+from dl4py.train.early_stopping.configuration import (
+    EPOCH_CONDITION,
+    ERROR,
+    ITERATION_CONDITION,
+    EarlyStoppingConfiguration,
+    EarlyStoppingResult,
+)
+from dl4py.train.early_stopping.controller import EarlyStoppingController
+from dl4py.train.listeners import TrainingListener
+from dl4py.train.loop import TrainingInterrupted
+
+log = logging.getLogger("dl4py")
+
+
+class _IterationConditions(TrainingListener):
+    """Asks the iteration conditions after every minibatch (reads the loss: one host sync)."""
+
+    def __init__(self, controller: EarlyStoppingController):
+        self.controller = controller
+        self.reason: str | None = None
+
+    def iteration_done(self, model, iteration, epoch, loss, batch_size):
+        reason = self.controller.check_iteration(float(loss))
+        if reason is not None:
+            self.reason = reason
+            model.request_stop(reason)
+
+
+class EarlyStoppingTrainer:
+    """Train ``model`` on ``train`` one epoch at a time until ``config`` says stop.
+
+        result = EarlyStoppingTrainer(config, model, train_iterator).fit()
+        best = result.best_model()
+
+    Usable again: each ``fit`` starts the conditions afresh and continues training the model.
+    """
+
+    def __init__(self, config: EarlyStoppingConfiguration, model, train, listeners=()):
+        if not isinstance(config, EarlyStoppingConfiguration):
+            raise TypeError(f"EarlyStoppingTrainer needs an EarlyStoppingConfiguration, got {type(config).__name__}")
+        self.config, self.model, self.train, self.listeners = config, model, train, list(listeners)
+
+    def fit(self) -> EarlyStoppingResult:
+        controller = EarlyStoppingController(self.config)
+        self.model.init()
+        controller.start(self.model.epoch_count)
+        watcher = _IterationConditions(controller)
+        try:
+            while True:
+                self.model.fit(self.train, epochs=1, listeners=[watcher, *self.listeners])
+                if watcher.reason is not None:
+                    return controller.result(ITERATION_CONDITION, watcher.reason)
+                reason = controller.end_of_epoch(self.model, self.model.epoch_count - 1)
+                if reason is not None:
+                    return controller.result(EPOCH_CONDITION, reason)
+        except (TrainingInterrupted, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # DL4J's contract: an error ends training with a result saying so
+            log.error("early stopping: training failed:\n%s", traceback.format_exc())
+            return controller.result(ERROR, f"{type(exc).__name__}: {exc}")
