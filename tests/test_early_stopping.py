@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import subprocess
@@ -16,7 +15,6 @@ import torch
 import dl4py
 from dl4py import (
     ArrayDataSetIterator,
-    DenseLayer,
     InputType,
     MnistDataSetIterator,
     MultiLayerNetwork,
@@ -42,18 +40,9 @@ from dl4py.train.early_stopping import (
     ScoreImprovement,
 )
 
+from toy import mlp, toy  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def mlp(lr=0.1) -> NetworkConfig:
-    return NetworkConfig(layers=[DenseLayer(n_out=12, activation="tanh"), OutputLayer(n_out=3)],
-                         input_type=InputType.feed_forward(5), updater=Sgd(lr), seed=11)
-
-
-def toy(n=256, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 5, generator=gen)
-    return x, (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
 
 
 class Scripted(ScoreCalculator):

@@ -13,33 +13,17 @@ import torch
 
 from dl4py import (
     ArrayDataSetIterator,
-    DenseLayer,
-    InputType,
     MnistDataSetIterator,
     MultiLayerNetwork,
-    NetworkConfig,
-    OutputLayer,
     RunConfig,
-    Sgd,
     TorchModel,
 )
 from dl4py.errors import ConfigError, WorkerError
 from dl4py.parallel import ParallelWrapper
 
+from toy import mlp, toy  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def mlp(lr=0.1) -> NetworkConfig:
-    return NetworkConfig(
-        layers=[DenseLayer(n_out=12, activation="tanh"), OutputLayer(n_out=3)],
-        input_type=InputType.feed_forward(5), updater=Sgd(lr), seed=11,
-    )
-
-
-def toy(n: int, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 5, generator=gen)
-    return x, (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
 
 
 def reference_mean_gradient_steps(config, batches, workers, lr):

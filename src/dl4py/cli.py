@@ -113,7 +113,7 @@ def _evaluate(args) -> int:
     model = load(model_path, backend=args.backend)
     data = RunConfig.from_file(config_path).data if config_path else DataConfig()
     if args.limit is not None:
-        data = RunConfig(network=model.config, data=data).with_overrides([f"data.limit_test={args.limit}"]).data
+        data = DataConfig.from_dict({**data.to_dict(), "limit_test": args.limit}, "--limit")
     _, test = make_iterators(data, args.batch_size, model.config.input_type.example_shape())
     if test is None:
         print("dl4py evaluate: error: the config's data section has no test set (data.test_path)", file=sys.stderr)

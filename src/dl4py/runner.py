@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from dl4py.backend.cuda_environment import environment
 from dl4py.config.run import DataConfig, RunConfig
 from dl4py.errors import ConfigError
 from dl4py.io import atomic_write_json, atomic_write_text
@@ -91,7 +92,7 @@ def environment_record(model) -> dict:
         "device": str(device),
         "precision": model.precision.name,
         "cuda": torch.version.cuda,
-        "environment": __import__("dl4py.backend.cuda_environment", fromlist=["environment"]).environment().to_dict(),
+        "environment": environment().to_dict(),
     }
     if device.type == "cuda":
         record["device_name"] = torch.cuda.get_device_name(device)
@@ -108,8 +109,6 @@ def train_run(
     """Train as ``config`` says, record everything in the run directory, return ``result.json``'s content."""
     started = time.perf_counter()
     run_dir = _prepare_run_dir(output, resume, config_name)
-    from dl4py.backend.cuda_environment import environment
-
     environment().update_from_config(config.environment)  # the config names what it sets
     network = config.network
     model = MultiLayerNetwork(network, backend=config.training.backend, precision=config.training.precision)

@@ -72,7 +72,7 @@ def format_info(info: dict) -> str:
     lines = [
         f"backend        {info['backend']} ({info['device']})",
         f"  why          {info['backend_reason']}",
-        f"versions       " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()),
+        "versions       " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()),
         f"cpu threads    {info['cpu']['threads']} of {info['cpu']['logical_cores']} logical cores",
         f"default dtype  {info['default_dtype']}",
     ]

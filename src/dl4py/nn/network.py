@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from dl4py.backend import Backend, Precision
 from dl4py.config.network import NetworkConfig

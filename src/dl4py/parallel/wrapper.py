@@ -31,7 +31,6 @@ from dl4py.errors import ConfigError, TrainingError, WorkerError
 from dl4py.nn.model import Model
 from dl4py.nn.serialization import restore_state
 from dl4py.parallel.sources import (
-    QueueSource,
     ShardedSource,
     StrideSource,
     batches_per_epoch,
@@ -252,8 +251,6 @@ class ParallelWrapper:
 
     # ---- under torchrun: this process is one worker ----------------------------------------
     def _fit_launched(self, iterator, epochs, listeners, record) -> list[EpochSummary]:
-        from dl4py.data import ArrayDataSetIterator
-
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ["LOCAL_RANK"])
         if self.workers is not None and self.workers != world:
