@@ -93,7 +93,9 @@ def _train(args) -> int:
     accuracy = result.get("test_accuracy")
     print(json.dumps({k: result[k] for k in ("run_dir", "test_accuracy", "epochs", "train_samples_per_second", "wall_seconds")}))
     if accuracy is not None:
-        print(f"test accuracy {accuracy:.4f} after {result['epochs']} epochs; run directory {result['run_dir']}", file=sys.stderr)
+        epochs = result["epochs"]
+        print(f"test accuracy {accuracy:.4f} after {epochs} epoch{'' if epochs == 1 else 's'}; "
+              f"run directory {result['run_dir']}", file=sys.stderr)
     return 0
 
 
