@@ -166,14 +166,20 @@ def _fit(model, training, train, epochs: int, listeners: list):
         return []
     from dl4py.parallel import ParallelWrapper
 
-    wrapper = ParallelWrapper(
-        model, workers=training.workers, prefetch_buffer=training.prefetch_buffer,
+    options, worker_listeners = _parallel_options(training, listeners)
+    return ParallelWrapper(model, **options).fit(train, epochs=epochs, listeners=worker_listeners)
+
+
+def _parallel_options(training, listeners: list) -> tuple[dict, list]:
+    """ParallelWrapper options from ``training``, and the listeners worker 0 runs: they see
+    its replica, averaged at each epoch's end (the in-process speed meter stays behind)."""
+    options = dict(
+        workers=training.workers, prefetch_buffer=training.prefetch_buffer,
         averaging_frequency=training.averaging_frequency,
         report_score_after_averaging=training.report_score_after_averaging,
         training_mode=training.training_mode,
     )
-    # Listeners run in worker 0 and see its replica, averaged at each epoch's end.
-    return wrapper.fit(train, epochs=epochs, listeners=[l for l in listeners if not isinstance(l, PerformanceListener)])
+    return options, [l for l in listeners if not isinstance(l, PerformanceListener)]
 
 
 def _fit_early_stopping(model, config: RunConfig, train, test, run_dir: Path, listeners: list):
@@ -208,12 +214,8 @@ def _fit_early_stopping(model, config: RunConfig, train, test, run_dir: Path, li
     )
     if training.workers == 1:
         return EarlyStoppingTrainer(es_config, model, train, listeners=listeners).fit()
-    return EarlyStoppingParallelTrainer(
-        es_config, model, train, listeners=[l for l in listeners if not isinstance(l, PerformanceListener)],
-        workers=training.workers, prefetch_buffer=training.prefetch_buffer,
-        averaging_frequency=training.averaging_frequency,
-        report_score_after_averaging=training.report_score_after_averaging, training_mode=training.training_mode,
-    ).fit()
+    options, worker_listeners = _parallel_options(training, listeners)
+    return EarlyStoppingParallelTrainer(es_config, model, train, listeners=worker_listeners, **options).fit()
 
 
 def _prepare_run_dir(output, resume: bool, config_name: str) -> Path:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from dl4py.backend import Backend
+from dl4py.backend.cuda_environment import Environment, environment
 from dl4py.errors import DataError
 from dl4py.parallel.averaging import (
     average,
@@ -107,9 +108,7 @@ def train_replica(rank: int, world: int, spec: WorkerSpec, source):
         torch.cuda.set_device(device)
     elif spec.threads:
         torch.set_num_threads(spec.threads)  # workers sharing the cores must not oversubscribe them
-    if spec.environment is not None:
-        from dl4py.backend.cuda_environment import Environment
-
+    if spec.environment is not None:  # installed as this process's environment
         Environment.from_dict(spec.environment).apply(device)
     replica = build_replica(spec, device)
     replica.module.train()
@@ -192,9 +191,8 @@ def _train_epoch(replica, step, rank, world, spec, source, device, report, liste
     examples = batches = 0
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     last_loss, trained_since_average = None, False
-    pinned = bool((spec.environment or {}).get("pinned_memory", True))
     prefetcher = Prefetcher(source.batches(epoch, rank, world), device, spec.prefetch,
-                            pin=pinned, timeout=spec.timeout)
+                            pin=environment().pinned_memory, timeout=spec.timeout)
     batches_in = iter(prefetcher)
     try:
         with epoch_rng(replica, epoch, stream=rank):  # distinct dropout masks per worker
