@@ -235,11 +235,15 @@ def test_killing_the_process_mid_save_keeps_the_previous_best_model(tmp_path):
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     interrupted_writes = 0
-    for attempt in range(6):
+    for attempt in range(4):
         proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env,
                                 stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "ready"
-        time.sleep(0.3 + 0.17 * attempt)
+        # Kill the moment a write is under way (its temporary file exists); most of each
+        # save is spent building the bytes in memory, so a kill at a random time often misses.
+        deadline = time.monotonic() + 20
+        while not list(tmp_path.glob(".bestModel.dl4py.*.tmp")) and time.monotonic() < deadline:
+            time.sleep(0.001)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         leftovers = list(tmp_path.glob(".bestModel.dl4py.*.tmp"))
