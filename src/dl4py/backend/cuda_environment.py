@@ -16,213 +16,33 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 from typing import Any, Mapping, Optional
 
 import torch
 
+from dl4py.backend.environment_settings import (  # noqa: F401  (re-exported: the settings' rules)
+    ALLOC_KEYS,
+    ALLOC_VARS,
+    COMPILE_MODES,
+    CUBLAS_DETERMINISTIC,
+    DEFAULTS,
+    SIMPLE_VARS,
+    VARIABLES,
+    alloc_value,
+    check_setting,
+    chunk_mib,
+    device_cache_limit,
+    format_conf,
+    normalise_alloc_value,
+    parse_conf,
+    parse_size,
+    truthy,
+    variable_items,
+)
 from dl4py.errors import BackendError, ConfigError
 
 log = logging.getLogger("dl4py")
-
-DEFAULTS: dict[str, Any] = {
-    "allow_multi_gpu": True, "devices": None, "max_device_cache": None,
-    "max_cacheable_chunk": None, "gc_threshold": None, "expandable_segments": False,
-    "caching": True, "pinned_memory": True, "tf32": None, "cudnn_benchmark": False,
-    "deterministic": False, "debug": False, "compile": "off", "cuda_graphs": False,
-}
-COMPILE_MODES = ("off", "default", "max-autotune")
-_FLAGS = ("allow_multi_gpu", "expandable_segments", "caching", "pinned_memory", "tf32",
-          "cudnn_benchmark", "deterministic", "debug", "cuda_graphs")
-_BOOLS = {"1": True, "true": True, "yes": True, "on": True,
-          "0": False, "false": False, "no": False, "off": False}
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
-_MIN_CHUNK_MIB = 20  # PyTorch requires max_split_size_mb > 20 (its large-block size)
-
-ALLOC_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # newer torch reads either
-_ALLOC_KEYS = {"max_cacheable_chunk": "max_split_size_mb", "gc_threshold": "garbage_collection_threshold",
-               "expandable_segments": "expandable_segments"}
-# (setting, variable, the setting's value that needs the variable, the variable's value)
-_SIMPLE_VARS = (("caching", "PYTORCH_NO_CUDA_MEMORY_CACHING", False, "1"),
-                ("debug", "CUDA_LAUNCH_BLOCKING", True, "1"),
-                ("deterministic", "CUBLAS_WORKSPACE_CONFIG", True, ":4096:8"))
-_CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")
-VARIABLES = ALLOC_VARS + tuple(var for _, var, _, _ in _SIMPLE_VARS)
-
-
-# -- values --------------------------------------------------------------------------
-
-def parse_size(value: Any, where: str) -> int:
-    """Bytes from an int or a string such as ``"6GB"`` / ``"512MiB"`` (KB = 1000, KiB = 1024)."""
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ConfigError(where, f"must be a size in bytes or a string such as '512MiB', got {value!r}")
-    if isinstance(value, int):
-        size = value
-    else:
-        m = _SIZE.match(value)
-        unit = (m.group(2) or "b").lower() if m else ""
-        if m is None or unit not in _UNITS:
-            raise ConfigError(where, f"is not a size: {value!r}; write bytes, or a number with a unit "
-                                     "B, KB, MB, GB, KiB, MiB, GiB (KB = 1000 bytes, KiB = 1024)")
-        size = round(float(m.group(1)) * _UNITS[unit])
-    if size <= 0:
-        raise ConfigError(where, f"must be a positive size, got {value!r}")
-    return size
-
-
-def device_cache_limit(value: Any, where: str = "max_device_cache") -> tuple[str, float]:
-    """``("fraction", f)`` for a number up to 1, else ``("bytes", n)``."""
-    if isinstance(value, str):
-        try:
-            value = float(value) if "." in value else int(value)
-        except ValueError:
-            return "bytes", parse_size(value, where)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(where, f"must be a fraction in (0, 1] or a size such as '6GB', got {value!r}")
-    if 0 < value <= 1:
-        return "fraction", float(value)
-    if value <= 0 or (isinstance(value, float) and not value.is_integer()):
-        raise ConfigError(where, f"must be a fraction in (0, 1] or a whole number of bytes, got {value!r}")
-    return "bytes", int(value)
-
-
-def chunk_mib(value: Any, where: str = "max_cacheable_chunk") -> int:
-    """``max_split_size_mb`` for a size; PyTorch's "mb" are MiB, rounded down."""
-    mib = parse_size(value, where) // 2**20
-    if mib <= _MIN_CHUNK_MIB:
-        raise ConfigError(where, f"must be more than {_MIN_CHUNK_MIB} MiB (PyTorch's smallest "
-                                 f"max_split_size_mb is {_MIN_CHUNK_MIB + 1}), got {value!r}")
-    return mib
-
-
-def check_setting(name: str, value: Any, where: str | None = None) -> Any:
-    """Validate one setting; return its canonical value or raise ConfigError naming ``where``."""
-    where = where or name
-    if name not in DEFAULTS:
-        raise ConfigError(where, f"unknown environment setting; valid settings: {', '.join(DEFAULTS)}")
-    if value is None:
-        if DEFAULTS[name] is None:
-            return None
-        raise ConfigError(where, f"must not be null (default: {DEFAULTS[name]!r})")
-    if name in _FLAGS:
-        if not isinstance(value, bool):
-            raise ConfigError(where, f"must be true or false, got {value!r}")
-        return value
-    if name == "devices":
-        if isinstance(value, (list, tuple)) and value and all(
-                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value):
-            if len(set(value)) != len(value):
-                raise ConfigError(where, f"lists a device twice: {list(value)}")
-            return tuple(value)
-        raise ConfigError(where, f"must be a non-empty list of CUDA device indices, got {value!r}")
-    if name == "max_device_cache":
-        device_cache_limit(value, where)
-        return value.strip() if isinstance(value, str) else value
-    if name == "max_cacheable_chunk":
-        chunk_mib(value, where)
-        return value.strip() if isinstance(value, str) else value
-    if name == "gc_threshold":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
-            raise ConfigError(where, f"must be a fraction strictly between 0 and 1, got {value!r}")
-        return float(value)
-    # compile; YAML reads a bare `off` as false
-    mode = {False: "off", True: "default"}.get(value, value) if isinstance(value, bool) else value
-    if isinstance(mode, str) and mode.lower() in COMPILE_MODES:
-        return mode.lower()
-    raise ConfigError(where, f"must be one of {', '.join(COMPILE_MODES)}; got {value!r}")
-
-
-def _parse_variable(name: str, raw: str, var: str) -> Any:
-    if name in _FLAGS:
-        if raw.lower() not in _BOOLS:
-            raise ConfigError(var, f"must be one of 1/0, true/false, yes/no, on/off; got {raw!r}")
-        return _BOOLS[raw.lower()]
-    if name == "devices":
-        try:
-            return [int(part) for part in raw.split(",")]
-        except ValueError:
-            raise ConfigError(var, f"must be indices separated by commas (0,1), got {raw!r}") from None
-    if name == "gc_threshold":
-        try:
-            return float(raw)
-        except ValueError:
-            raise ConfigError(var, f"must be a fraction strictly between 0 and 1, got {raw!r}") from None
-    if name in ("max_device_cache", "max_cacheable_chunk") and raw.isdigit():
-        return int(raw)
-    if name == "max_device_cache" and re.fullmatch(r"\d*\.\d+|\d+\.", raw):
-        return float(raw)
-    return raw
-
-
-def _variable_items(environ: Mapping[str, str]) -> list[tuple[str, Any, str, str]]:
-    """(setting, value, source, where) from the variables, lowest precedence first."""
-    items = []
-    conf_var = next((v for v in ALLOC_VARS if environ.get(v)), None)
-    names = {key: name for name, key in _ALLOC_KEYS.items()}
-    for key, raw in _parse_conf(environ[conf_var] if conf_var else "").items():
-        if key in names and raw is not None:
-            try:  # a value PyTorch itself rejects is PyTorch's to report
-                if key == "max_split_size_mb":
-                    value: Any = f"{raw}MiB"
-                else:
-                    value = raw.lower() == "true" if key == "expandable_segments" else float(raw)
-                items.append((names[key], check_setting(names[key], value), conf_var, conf_var))
-            except (ConfigError, ValueError):
-                pass
-    if _truthy(environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING")):
-        items.append(("caching", False) + ("PYTORCH_NO_CUDA_MEMORY_CACHING",) * 2)
-    if _truthy(environ.get("CUDA_LAUNCH_BLOCKING")):
-        items.append(("debug", True) + ("CUDA_LAUNCH_BLOCKING",) * 2)
-    for var, name, invert in (("ND4J_CUDA_FORCE_SINGLE_GPU", "allow_multi_gpu", True),
-                              ("ND4J_DEBUG", "debug", False)):
-        raw = (environ.get(var) or "").strip()
-        if raw:
-            items.append((name, _parse_variable(name, raw, var) != invert, var, var))
-    for name in DEFAULTS:
-        var = f"DL4PY_{name.upper()}"
-        raw = (environ.get(var) or "").strip()
-        if raw:
-            items.append((name, _parse_variable(name, raw, var), var, var))
-    return items
-
-
-def _parse_conf(text: str) -> dict[str, str | None]:
-    """``key:value`` pairs; commas inside brackets (roundup_power2_divisions:[64:8,>:1]) stay."""
-    pairs: dict[str, str | None] = {}
-    for token in filter(None, (t.strip() for t in re.split(r",(?![^\[]*\])", text))):
-        key, sep, value = token.partition(":")
-        pairs[key.strip()] = value.strip() if sep else None
-    return pairs
-
-
-def _format_conf(pairs: dict[str, str | None]) -> str:
-    return ",".join(key if value is None else f"{key}:{value}" for key, value in pairs.items())
-
-
-def _alloc_value(name: str, value: Any) -> str | None:
-    """The allocator key's value for a setting, or None for PyTorch's default."""
-    if value is None or value is False:
-        return None
-    if name == "max_cacheable_chunk":
-        return str(chunk_mib(value))
-    return "True" if value is True else repr(float(value))
-
-
-def _normalise(key: str, raw: str | None) -> str | None:
-    """A user's allocator value in the form `_alloc_value` writes, to compare the two."""
-    try:
-        if key == "expandable_segments":
-            return "True" if str(raw).lower() in ("true", "1") else None
-        return str(int(raw)) if key == "max_split_size_mb" else repr(float(raw))
-    except (TypeError, ValueError):
-        return raw
-
-
-def _truthy(raw: str | None) -> bool:
-    return raw is not None and raw.strip().lower() in ("1", "true", "yes", "on")
 
 
 # -- process state: what dl4py itself wrote, so it can take it back before CUDA starts --
@@ -259,15 +79,15 @@ def _plan(values: dict, sources: dict, environ: Mapping[str, str], late: bool):
     owned: dict[str, dict[str, str]] = {}
     for var in [v for v in ALLOC_VARS if v in environ] or [ALLOC_VARS[0]]:
         current = environ.get(var)
-        pairs = _parse_conf(current or "")
+        pairs = parse_conf(current or "")
         mine = _owned_keys.get(var, {})
         new = {k: v for k, v in pairs.items() if not (k in mine and mine[k] == v)}
         owned[var] = {}
-        for name, key in _ALLOC_KEYS.items():
+        for name, key in ALLOC_KEYS.items():
             if not _explicit(name, sources, var):
                 continue
-            want, have = _alloc_value(name, values[name]), new.get(key)
-            if key in new and _normalise(key, have) != want:
+            want, have = alloc_value(name, values[name]), new.get(key)
+            if key in new and normalise_alloc_value(key, have) != want:
                 if late:
                     raise _too_late([name], values, sources)
                 raise ConfigError(name, f"{var} already sets {key}:{have}, but {name}={values[name]!r} "
@@ -277,11 +97,11 @@ def _plan(values: dict, sources: dict, environ: Mapping[str, str], late: bool):
                 new[key] = owned[var][key] = want
             if pairs.get(key) != new.get(key):
                 culprits.append(name)
-        text = _format_conf(new)
+        text = format_conf(new)
         value = None if not text and (current is None or var in _created) else text
         if new != pairs or (value is None) != (current is None):
             changes[var] = value
-    for name, var, needs, on_value in _SIMPLE_VARS:
+    for name, var, needs, on_value in SIMPLE_VARS:
         if not _explicit(name, sources, var):
             continue
         current = environ.get(var) or None
@@ -289,7 +109,7 @@ def _plan(values: dict, sources: dict, environ: Mapping[str, str], late: bool):
         wanted = values[name] == needs
         want = on_value if wanted else None
         if theirs is not None:
-            ok = theirs in _CUBLAS_DETERMINISTIC if name == "deterministic" else _truthy(theirs)
+            ok = theirs in CUBLAS_DETERMINISTIC if name == "deterministic" else truthy(theirs)
             if ok != wanted and (wanted or name != "deterministic"):
                 if late:
                     raise _too_late([name], values, sources)
@@ -331,7 +151,7 @@ def _apply_process(values: dict, sources: dict) -> None:
                 _created.add(var)
             os.environ[var] = value
     _owned_keys.update(owned)
-    for name, var, needs, on_value in _SIMPLE_VARS:
+    for name, var, needs, on_value in SIMPLE_VARS:
         if var in changes:
             if changes[var] == on_value:
                 _owned_vars[var] = on_value
@@ -457,7 +277,7 @@ class Environment:
             raise ConfigError(where, f"must be a mapping of environment settings, got {data!r}")
         # A value equal to what PyTorch's own variable says (a worker inherits those) stays
         # attributed to that variable, as it is in the parent.
-        inherited = [item for item in _variable_items(os.environ) if item[2] in VARIABLES]
+        inherited = [item for item in variable_items(os.environ) if item[2] in VARIABLES]
         env = cls()
         env._set(inherited)
         path = (lambda k: f"{where}.{k}" if where else k)
@@ -470,7 +290,7 @@ class Environment:
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "Environment":
         """Settings from PyTorch's, ND4J's and dl4py's variables (``DL4PY_`` wins)."""
         env = cls()
-        env._set(_variable_items(os.environ if environ is None else environ))
+        env._set(variable_items(os.environ if environ is None else environ))
         return env
 
     def check(self, where: str = "") -> None:
