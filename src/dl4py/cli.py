@@ -7,6 +7,9 @@
     dl4py evaluate MODEL [--config CONFIG] [--limit N] [--json]
     dl4py summary CONFIG
     dl4py info [--json]
+    dl4py sweep CONFIG.yaml --grid key=v1,v2,... [--random N --range key=lo:hi[:log]]
+                            [--devices all|cpu|0,1] [--per-device K] [--metric M]
+                            [--output DIR] [--resume] [--set key=value ...]
 
 Flags are shorthands for ``--set`` on the same keys, so every value is type-checked by
 the config schema. Errors print one line naming the key, layer or file at fault.
@@ -55,6 +58,22 @@ def _parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="backend, devices and versions")
     info.add_argument("--json", action="store_true")
+
+    sweep = sub.add_parser("sweep", help="run a grid (or random sample) of configs, several processes per device")
+    sweep.add_argument("config", type=Path, nargs="?", help="run config (may be left out with --resume)")
+    sweep.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...",
+                       help="values of one config key; several --grid give their product")
+    sweep.add_argument("--random", type=int, metavar="N", help="draw N points instead of the whole grid")
+    sweep.add_argument("--range", dest="ranges", action="append", default=[], metavar="KEY=LO:HI[:log]",
+                       help="with --random: an interval to sample, log-uniformly with :log")
+    sweep.add_argument("--seed", type=int, default=0, help="seed of --random")
+    sweep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config key in every experiment")
+    sweep.add_argument("--devices", default="all", help="all (the GPUs, else the CPU), cpu, or GPU indices 0,1")
+    sweep.add_argument("--per-device", type=int, default=1, metavar="K", help="experiments at a time on each device")
+    sweep.add_argument("--metric", help="result.json key to rank by (default test_accuracy)")
+    sweep.add_argument("--output", type=Path, help="sweep folder (default: sweeps/<config>-<time>)")
+    sweep.add_argument("--resume", action="store_true", help="run what is unfinished in the sweep in --output")
     return parser
 
 
@@ -62,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
-        return {"train": _train, "evaluate": _evaluate, "summary": _summary, "info": _info}[args.command](args)
+        return {"train": _train, "evaluate": _evaluate, "summary": _summary, "info": _info,
+                "sweep": _sweep}[args.command](args)
     except DL4PyError as exc:
         print(f"dl4py {args.command}: error: {exc}", file=sys.stderr)
         return 2
@@ -97,6 +117,28 @@ def _train(args) -> int:
         print(f"test accuracy {accuracy:.4f} after {epochs} epoch{'' if epochs == 1 else 's'}; "
               f"run directory {result['run_dir']}", file=sys.stderr)
     return 0
+
+
+def _sweep(args) -> int:
+    from dl4py import sweep
+
+    try:
+        result = sweep.run(
+            args.config, grid=args.grid, ranges=args.ranges, random=args.random, seed=args.seed,
+            overrides=args.overrides, devices=args.devices, per_device=args.per_device, metric=args.metric,
+            output=args.output, resume=args.resume,
+        )
+    except sweep.SweepInterrupted as exc:
+        print(f"dl4py sweep: {exc}", file=sys.stderr)
+        return 130
+    best = result.best
+    print(json.dumps({"sweep_dir": str(result.sweep_dir), "metric": result.metric, **result.counts,
+                      "ran": result.ran, "skipped": result.skipped, "continued": result.continued,
+                      "restarted": result.restarted,
+                      "best": best and best["experiment"], "best_value": best and best[result.metric]}))
+    print(f"{result.counts['completed']} completed, {result.counts['failed']} failed; "
+          f"table in {result.sweep_dir / 'results.md'}", file=sys.stderr)
+    return 1 if result.failed else 0  # the sweep ran, but not every experiment did
 
 
 def _evaluate(args) -> int:

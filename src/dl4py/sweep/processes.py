@@ -1,0 +1,185 @@
+"""A queue of experiment processes feeding free device slots.
+
+Each experiment is a process of its own, so a crash (a segfault, the OOM killer, a
+CUDA error) takes down that experiment only; it is recorded with its exit code or
+signal and the last line it printed. Each process leads its own process group, so the
+sweep, not the terminal, decides how it stops: Ctrl-C (or SIGTERM) on the sweep sends
+one SIGINT to every experiment's group (``dl4py train`` then stops after the current
+step and keeps a checkpoint), waits ``grace`` seconds, then kills what is left.
+On Linux an experiment also dies with the sweep (``PR_SET_PDEATHSIG``), so killing
+the sweep outright leaves no orphan writing into the sweep folder.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from dl4py.sweep.slots import Slot
+
+# Runs in the experiment's process before it becomes `python -m dl4py train`: ask the
+# kernel for SIGTERM when the sweep dies, then exec (the request survives exec).
+_LAUNCHER = (
+    "import ctypes, os, signal, sys\n"
+    "try:\n    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+    "except Exception:\n    pass\n"
+    "if os.getppid() != int(sys.argv[1]):\n    os._exit(1)  # the sweep died before prctl\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+@dataclass
+class Job:
+    name: str
+    command: Callable[[Slot], list[str]]  # argv for the slot it lands on
+    log: Path  # stdout and stderr, together
+
+
+@dataclass
+class Outcome:
+    name: str
+    status: str  # "completed", "failed" or "interrupted"
+    seconds: float
+    returncode: int | None = None
+    error: str | None = None
+    slot: str | None = None
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class ProcessQueue:
+    """Run ``jobs`` on ``slots``, at most one job per slot; ``on_change(event, job_name, outcome)``
+    is called when a job starts (``"start"``, outcome None) and when it ends (``"end"``).
+    ``succeeded(job_name, returncode)`` decides "completed" against "failed"."""
+
+    def __init__(self, jobs: list[Job], slots: list[Slot], on_change: Callable, env: dict | None = None,
+                 succeeded: Callable[[str, int], bool] | None = None, grace: float = 30.0, poll: float = 0.1):
+        self.pending = list(jobs)
+        self.slots, self.on_change, self.grace, self.poll = slots, on_change, grace, poll
+        self.env = dict(os.environ if env is None else env)
+        self.succeeded = succeeded or (lambda name, code: code == 0)
+        self.running: dict[str, tuple[subprocess.Popen, Slot, float]] = {}
+        self.logs: dict[str, Path] = {}
+        self.interrupted = False
+
+    def run(self) -> None:
+        """Until every job has ended, or Ctrl-C / SIGTERM (then ``self.interrupted`` is set)."""
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` stops it like Ctrl-C
+        try:
+            while self.pending or self.running:
+                self._fill()
+                time.sleep(self.poll)
+                self._reap()
+        except KeyboardInterrupt:
+            self.interrupted = True
+            self._stop()
+        finally:
+            self._kill_all()  # nothing outlives the sweep, even on an unexpected error
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+    def _fill(self) -> None:
+        busy = {slot for _, slot, _ in self.running.values()}
+        for slot in self.slots:
+            if not self.pending:
+                return
+            if slot in busy:
+                continue
+            job = self.pending.pop(0)
+            job.log.parent.mkdir(parents=True, exist_ok=True)
+            with open(job.log, "wb") as log:
+                proc = subprocess.Popen(
+                    _launch(job.command(slot)), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    env=slot.environ(self.env), start_new_session=True,
+                )
+            self.running[job.name] = (proc, slot, time.perf_counter())
+            self.logs[job.name] = job.log
+            self.on_change("start", job.name, None)
+
+    def _reap(self, status_if_failed: str = "failed") -> None:
+        for name, (proc, slot, started) in list(self.running.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            del self.running[name]
+            ok = self.succeeded(name, code)
+            outcome = Outcome(
+                name, "completed" if ok else status_if_failed, time.perf_counter() - started, code,
+                None if ok else describe_failure(code, self.logs[name]), slot.name,
+            )
+            self.on_change("end", name, outcome)
+
+    def _stop(self) -> None:
+        self._signal_all(signal.SIGINT)
+        deadline = time.monotonic() + self.grace
+        try:
+            while self.running and time.monotonic() < deadline:
+                time.sleep(self.poll)
+                self._reap("interrupted")
+        except KeyboardInterrupt:  # a second Ctrl-C: stop waiting
+            pass
+        self._kill_all()
+        self._reap("interrupted")
+
+    def _signal_all(self, sig: int) -> None:
+        for proc, _, _ in self.running.values():
+            try:
+                os.killpg(proc.pid, sig)  # the whole group: parallel workers of the experiment too
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def _kill_all(self) -> None:
+        if not self.running:
+            return
+        self._signal_all(signal.SIGKILL)
+        for proc, _, _ in self.running.values():
+            proc.wait()
+        self._reap("interrupted")
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _launch(argv: list[str]) -> list[str]:
+    if sys.platform.startswith("linux"):
+        return [sys.executable, "-c", _LAUNCHER, str(os.getpid()), *argv]
+    return argv
+
+
+def describe_failure(code: int, log: Path) -> str:
+    """``dl4py train``'s own error line if it printed one, else the exit code or signal and the last line."""
+    last, error = last_lines(log)
+    if error:
+        return error
+    if code < 0:
+        try:
+            how = f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"killed by signal {-code}"
+    else:
+        how = f"exit code {code}"
+    return f"{how}: {last}" if last else how
+
+
+def last_lines(log: Path, tail: int = 16384) -> tuple[str, str | None]:
+    """(the last non-empty line, the message of the last ``... error: ...`` line) of a log."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail))
+            lines = [line.strip() for line in f.read().decode("utf-8", "replace").splitlines() if line.strip()]
+    except OSError:
+        return "", None
+    error = next((line.split(" error: ", 1)[1] for line in reversed(lines)
+                  if line.startswith("dl4py ") and " error: " in line), None)
+    return (lines[-1] if lines else ""), error
