@@ -21,4 +21,4 @@ test: setup
 	$(PYTHON) -m pytest -q
 
 bench: setup
-	$(PYTHON) benchmarks/overhead.py
+	$(PYTHON) -m dl4py bench all

@@ -1,121 +1,208 @@
-"""Overhead of dl4py's training loop against a hand-written PyTorch loop.
+"""Overhead of dl4py's training loop against a hand-written PyTorch loop and Lightning's Trainer.
 
-    python benchmarks/overhead.py [--examples 6400] [--repeats 7] [--out benchmarks/results]
+    python benchmarks/overhead.py [--device auto|cpu|gpu] [--quick] [--examples N] [--repeats 7]
 
-Both train the seed's LeNet (batch 128, Nesterov SGD, L2 on weights) on the same MNIST
-slice held in memory, with a fresh shuffle each epoch. One epoch of each is timed in
-turn (A, B, A, B, ...) so that drifts in machine load hit both alike; the figure is the
-ratio of the median epoch times, dl4py / hand-written (1.00 = no overhead).
-Writes overhead.json and overhead.md to --out.
+All train the seed's LeNet (batch 128, Nesterov SGD, L2 on weights) on the same MNIST
+slice, held where each loop reads it best and the same for all (host memory on a CPU,
+device memory on a GPU), with a fresh shuffle each epoch. One epoch of each is timed in
+turn (A, B, C, D, A, ...) so that drifts in machine load hit all alike; each figure is the
+ratio of median epoch times to the hand-written loop's (1.00 = no overhead).
+
+- ``dl4py``: ``MultiLayerNetwork.fit`` with its defaults (fused optimizer where torch has one);
+- ``dl4py, like for like``: ``fused_optimizer: off`` and ``channels_last: off``: the same
+  kernels as the other two (torch's per-parameter optimizer loop, the default memory
+  layout), so its ratio is the loop's own overhead;
+- ``hand-written``: zero_grad / forward / loss / backward / step over shuffled index slices,
+  with ``torch.optim.SGD(..., foreach=False)`` (torch's default on a CPU);
+- ``lightning``: ``Trainer(barebones=True)`` (its mode for measuring its own overhead), one
+  ``fit`` per epoch, the epoch timed by a callback; its set-up per ``fit`` is reported apart.
+  Needs ``pip install lightning`` (never a dependency of dl4py); without it the column says so.
+
+Writes overhead-<cpu|gpu>.json and .md to --out.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
+import logging
 import statistics
-import sys
 import time
-from pathlib import Path
+import warnings
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from _common import (
+    device_of,
+    hand_written_lenet,
+    hand_written_optimizer,
+    heading,
+    label,
+    machine,
+    parser,
+    seed_lenet,
+    settings,
+    sync,
+    write,
+)
+from dl4py import MnistDataSetIterator, MultiLayerNetwork
 
-import dl4py  # noqa: E402
-from dl4py import MnistDataSetIterator, MultiLayerNetwork, RunConfig  # noqa: E402
+INSTALL = "pip install lightning"
 
 
-def hand_written_lenet() -> nn.Module:
-    return nn.Sequential(
-        nn.Unflatten(1, (1, 28, 28)),
-        nn.Conv2d(1, 20, 5), nn.MaxPool2d(2, 2),
-        nn.Conv2d(20, 50, 5), nn.MaxPool2d(2, 2),
-        nn.Flatten(), nn.Linear(800, 500), nn.ReLU(), nn.Linear(500, 10),
-    )
+def hand_written(config, features, labels, batch, device):
+    model = hand_written_lenet().to(device)
+    optimizer = hand_written_optimizer(model, config, foreach=False)
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def epoch():
+        order = torch.randperm(features.shape[0], generator=generator, device=device)
+        for idx in order.split(batch):
+            x, y = features[idx], labels[idx]
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+
+    return epoch
 
 
-def hand_written_epoch(model, optimizer, features, labels, batch_size, generator) -> None:
-    order = torch.randperm(features.shape[0], generator=generator)
-    for idx in order.split(batch_size):
-        x, y = features[idx], labels[idx]
-        optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        optimizer.step()
+def lightning_loop(config, features, labels, batch, device):
+    """One Lightning fit per call; returns the epoch's seconds (the callback's) and the fit's."""
+    import lightning as L
+    from torch.utils.data import DataLoader, IterableDataset
+
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module="lightning")
+    warnings.filterwarnings("ignore", module="pytorch_lightning")
+
+    class LeNet(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = hand_written_lenet()
+
+        def training_step(self, batch_, _):
+            x, y = batch_
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return hand_written_optimizer(self.net, config, foreach=False)
+
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    class ShuffledBatches(IterableDataset):  # what the other loops get: in-memory slices
+        def __iter__(self):
+            order = torch.randperm(features.shape[0], generator=generator, device=device)
+            return ((features[idx], labels[idx]) for idx in order.split(batch))
+
+    class EpochTimer(L.Callback):
+        def on_train_epoch_start(self, trainer, module):
+            sync(device)
+            self.start = time.perf_counter()
+
+        def on_train_epoch_end(self, trainer, module):
+            sync(device)
+            self.seconds = time.perf_counter() - self.start
+
+    module = LeNet()
+    loader = DataLoader(ShuffledBatches(), batch_size=None)
+
+    def epoch():
+        timer = EpochTimer()
+        trainer = L.Trainer(
+            max_epochs=1, accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
+            barebones=True, callbacks=[timer],
+        )
+        start = time.perf_counter()
+        trainer.fit(module, loader)
+        return timer.seconds, time.perf_counter() - start
+
+    return epoch
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--examples", type=int, default=6400)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    args = parser.parse_args()
+    p = parser(__doc__)
+    p.add_argument("--examples", type=int, help="examples per epoch (default 6400 on a CPU, 60000 on a GPU)")
+    p.add_argument("--repeats", type=int, default=7)
+    args = p.parse_args()
+    device = device_of(args.device)
+    examples = args.examples or (1280 if args.quick else 6400 if device.type == "cpu" else 60000)
+    repeats = 2 if args.quick else args.repeats
 
-    config = RunConfig.from_file(ROOT / "examples" / "lenet_mnist.yaml")
-    lr, momentum, l2 = config.network.updater.learning_rate, config.network.updater.momentum, config.network.l2
-    batch = config.training.batch_size
-    data = MnistDataSetIterator(batch, train=True, seed=12345, limit=args.examples)
+    config = seed_lenet()
+    batch = 128
+    data = MnistDataSetIterator(batch, train=True, seed=12345, limit=examples)
+    features, labels = data.features.to(device), data.labels.to(device)
+    backend = "gpu" if device.type == "cuda" else "cpu"
 
-    net = MultiLayerNetwork(config.network, backend="cpu").init()
-    hand = hand_written_lenet()
-    weights = [p for n, p in hand.named_parameters() if n.endswith("weight")]
-    biases = [p for n, p in hand.named_parameters() if n.endswith("bias")]
-    optimizer = torch.optim.SGD(
-        [{"params": weights, "weight_decay": l2}, {"params": biases, "weight_decay": 0.0}],
-        lr=lr, momentum=momentum, nesterov=True,
-    )
-    generator = torch.Generator().manual_seed(0)
+    dl4py_net = MultiLayerNetwork(config, backend=backend).init()
+    with settings(fused_optimizer="off", channels_last="off"):
+        plain_net = MultiLayerNetwork(config, backend=backend).init()
 
-    def run_dl4py():
-        net.fit(data, epochs=1)
-
-    def run_hand():
-        hand_written_epoch(hand, optimizer, data.features, data.labels, batch, generator)
-
-    run_dl4py(), run_hand()  # warm-up: allocator, kernels, caches
-    times = {"dl4py": [], "hand_written": []}
-    for _ in range(args.repeats):
-        for name, fn in (("dl4py", run_dl4py), ("hand_written", run_hand)):
+    def timed(fn):
+        def run():
+            sync(device)
             start = time.perf_counter()
             fn()
-            times[name].append(time.perf_counter() - start)
+            sync(device)
+            return time.perf_counter() - start
+        return run
+
+    contestants = {
+        "dl4py": timed(lambda: dl4py_net.fit(data, epochs=1)),
+        "dl4py, like for like": timed(lambda: plain_net.fit(data, epochs=1)),
+        "hand-written": timed(hand_written(config, features, labels, batch, device)),
+    }
+    lightning_note, fit_seconds = None, []
+    try:
+        lightning_epoch = lightning_loop(config, features, labels, batch, device)
+
+        def lightning_run():
+            epoch_s, fit_s = lightning_epoch()
+            fit_seconds.append(fit_s - epoch_s)
+            return epoch_s
+
+        contestants["lightning"] = lightning_run
+    except ImportError:
+        lightning_note = f"not installed: `{INSTALL}` to add this column (it is not a dl4py dependency)"
+
+    for run in contestants.values():  # warm-up: allocator, kernels, caches, the device copy
+        run()
+    fit_seconds.clear()
+    times = {name: [] for name in contestants}
+    for _ in range(repeats):
+        for name, run in contestants.items():
+            times[name].append(run())
 
     median = {k: statistics.median(v) for k, v in times.items()}
-    ratio = median["dl4py"] / median["hand_written"]
+    base = median["hand-written"]
+    record = machine(device)
     result = {
-        "benchmark": "overhead",
-        "device": "cpu",
-        "cpu_threads": torch.get_num_threads(),
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-        "dl4py": dl4py.__version__,
-        "examples_per_epoch": data.total_examples(),
-        "batch_size": batch,
-        "repeats": args.repeats,
-        "epoch_seconds": times,
-        "median_epoch_seconds": median,
+        "benchmark": "overhead", **record, "quick": args.quick,
+        "examples_per_epoch": data.total_examples(), "batch_size": batch, "repeats": repeats,
+        "epoch_seconds": times, "median_epoch_seconds": median,
         "samples_per_second": {k: data.total_examples() / v for k, v in median.items()},
-        "ratio_dl4py_over_hand_written": ratio,
+        "ratio_to_hand_written": {k: v / base for k, v in median.items()},
+        "lightning_fit_setup_seconds": statistics.median(fit_seconds) if fit_seconds else None,
+        "lightning": lightning_note or "Trainer(barebones=True), one fit per epoch",
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "overhead.json").write_text(json.dumps(result, indent=2) + "\n")
-    table = "\n".join([
-        f"# Training-loop overhead (seed LeNet, batch {batch}, {data.total_examples()} examples/epoch, "
-        f"CPU, {torch.get_num_threads()} threads, torch {torch.__version__})",
+    lines = heading(
+        f"Training-loop overhead: seed LeNet, batch {batch}, {data.total_examples()} examples/epoch, "
+        f"{label(device).upper()}", record, args.quick,
+    ) + [
+        "| loop | median epoch (s) | samples/s | time / hand-written |",
+        "|---|---|---|---|",
+        *(f"| {k} | {median[k]:.3f} | {result['samples_per_second'][k]:,.0f} | "
+          f"**{result['ratio_to_hand_written'][k]:.3f}** |" for k in median),
         "",
-        "| loop | median epoch (s) | samples/s |",
-        "|---|---|---|",
-        *(f"| {k} | {median[k]:.3f} | {result['samples_per_second'][k]:,.0f} |" for k in median),
-        "",
-        f"dl4py / hand-written = **{ratio:.3f}** (median of {args.repeats} interleaved epochs each)",
-    ])
-    (args.out / "overhead.md").write_text(table + "\n")
-    print(table)
+        f"Median of {repeats} interleaved epochs each, after one warm-up epoch.",
+    ]
+    if lightning_note:
+        lines.append(f"Lightning: {lightning_note}.")
+    else:
+        lines.append(f"Lightning: Trainer(barebones=True); its set-up per fit() call, outside the epoch: "
+                     f"{result['lightning_fit_setup_seconds']:.3f} s (median).")
+    write(args.out, f"overhead-{label(device)}", result, lines)
 
 
 if __name__ == "__main__":

@@ -179,7 +179,8 @@ def test_config_section_round_trips_and_validates():
     section = {"allow_multi_gpu": False, "devices": [0, 1], "max_device_cache": "6GB",
                "max_cacheable_chunk": "512MiB", "gc_threshold": 0.8, "expandable_segments": True,
                "caching": True, "pinned_memory": True, "tf32": True, "cudnn_benchmark": True,
-               "deterministic": False, "debug": False, "compile": "max-autotune", "cuda_graphs": True}
+               "deterministic": False, "debug": False, "compile": "max-autotune", "cuda_graphs": True,
+               "device_data": "on", "fused_optimizer": "off", "channels_last": "auto"}
     data = RunConfig.from_dict({"network": NETWORK, "environment": section}).to_dict()
     assert data["environment"] == section
     assert RunConfig.from_dict(data).to_dict() == data

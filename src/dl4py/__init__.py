@@ -38,6 +38,7 @@ from dl4py.data import (
     CsvDataSetIterator,
     DataSet,
     DataSetIterator,
+    DeviceDataSetIterator,
     MnistDataSetIterator,
 )
 from dl4py.errors import BackendError, ConfigError, DataError, DL4PyError, TrainingError
@@ -48,7 +49,7 @@ from dl4py.train import TrainingInterrupted
 __all__ = [
     "ActivationLayer", "Adam", "AdamW", "ArrayDataSetIterator", "BackendError",
     "BatchNormalization", "ConfigError", "ConvolutionLayer", "CsvDataSetIterator", "DataError",
-    "DataSet", "DataSetIterator", "DenseLayer", "DL4PyError", "DropoutLayer", "Environment",
+    "DataSet", "DataSetIterator", "DenseLayer", "DeviceDataSetIterator", "DL4PyError", "DropoutLayer", "Environment",
     "Evaluation", "GlobalPoolingLayer", "InputType", "MnistDataSetIterator", "MultiLayerNetwork",
     "Nesterovs", "NetworkConfig", "OutputLayer", "RmsProp", "RunConfig", "Sgd", "SubsamplingLayer",
     "TorchModel", "TrainingError", "TrainingInterrupted", "environment", "get_default_dtype", "load",

@@ -213,6 +213,9 @@ class Environment:
     debug: bool
     compile: str
     cuda_graphs: bool
+    device_data: str
+    fused_optimizer: str
+    channels_last: str
 
     def __init__(self, **settings: Any):
         object.__setattr__(self, "_values", dict(DEFAULTS))

@@ -18,8 +18,13 @@ DEFAULTS: dict[str, Any] = {
     "max_cacheable_chunk": None, "gc_threshold": None, "expandable_segments": False,
     "caching": True, "pinned_memory": True, "tf32": None, "cudnn_benchmark": False,
     "deterministic": False, "debug": False, "compile": "off", "cuda_graphs": False,
+    "device_data": "auto", "fused_optimizer": "auto", "channels_last": "auto",
 }
 COMPILE_MODES = ("off", "default", "max-autotune")
+# Speed switches of the training path (docs/performance.md): auto lets dl4py decide per
+# device and network; on insists (an error where it cannot apply); off never.
+SWITCHES = ("device_data", "fused_optimizer", "channels_last")
+SWITCH_VALUES = ("auto", "on", "off")
 _FLAGS = ("allow_multi_gpu", "expandable_segments", "caching", "pinned_memory", "tf32",
           "cudnn_benchmark", "deterministic", "debug", "cuda_graphs")
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True,
@@ -115,6 +120,14 @@ def check_setting(name: str, value: Any, where: str | None = None) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
             raise ConfigError(where, f"must be a fraction strictly between 0 and 1, got {value!r}")
         return float(value)
+    if name in SWITCHES:
+        # YAML reads a bare on/off as a boolean, a variable may say 1/0
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        if isinstance(value, str) and value.strip().lower() in (*SWITCH_VALUES, *_BOOLS):
+            text = value.strip().lower()
+            return text if text in SWITCH_VALUES else ("on" if _BOOLS[text] else "off")
+        raise ConfigError(where, f"must be one of {', '.join(SWITCH_VALUES)}; got {value!r}")
     # compile; YAML reads a bare `off` as false
     mode = {False: "off", True: "default"}.get(value, value) if isinstance(value, bool) else value
     if isinstance(mode, str) and mode.lower() in COMPILE_MODES:

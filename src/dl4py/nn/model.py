@@ -18,6 +18,7 @@ from dl4py.backend import Backend, Precision, resolve_backend, resolve_precision
 from dl4py.data.dataset import DataSet
 from dl4py.errors import BackendError, DataError
 from dl4py.nn.master_weights import MasterWeights
+from dl4py.nn.memory_format import to_channels_last, use_channels_last
 
 if TYPE_CHECKING:
     from dl4py.eval import Evaluation
@@ -44,12 +45,15 @@ class Model:
         self._stop_reason: str | None = None
         self._train_step = None
         self._compiled = None  # (settings, torch.compile'd module) when the environment asks
+        self._channels_last = False  # convolutions in NHWC (environment setting channels_last)
+        self._device_data = None  # DeviceDataSetIterator: fit keeps the device copy between calls
 
     def __getstate__(self):
         # Sent to a parallel worker as its recipe: the built module, optimizer and step
         # are rebuilt there on the worker's device (weights follow in a saved model file).
         state = dict(self.__dict__)
-        for name in ("module", "optimizer", "master", "scaler", "_train_step", "_compiled", "backend", "precision"):
+        for name in ("module", "optimizer", "master", "scaler", "_train_step", "_compiled", "backend",
+                     "precision", "_device_data"):
             state[name] = None
         return state
 
@@ -91,6 +95,9 @@ class Model:
         precision, device = self.precision, self.backend.device
         build_dtype = torch.float32 if precision.master_weights else precision.param_dtype
         module, self.optimizer = self._build(device, build_dtype)
+        self._channels_last = use_channels_last(env.channels_last, module, device)
+        if self._channels_last:  # before the master copy is made, so both are NHWC
+            module = module.to(memory_format=torch.channels_last)
         if precision.master_weights:
             self.master = MasterWeights(module, precision.param_dtype)
             module = self.master.module
@@ -169,7 +176,7 @@ class Model:
         outs = []
         with self._inference():
             for start in range(0, x.shape[0], batch_size):
-                chunk = self.precision.convert_input(x[start : start + batch_size].to(self.backend.device))
+                chunk = self._convert_input(x[start : start + batch_size].to(self.backend.device))
                 with self.precision.forward_context(self.backend.device):
                     outs.append(self.activate(self.module(chunk)))
         return torch.cat(outs) if outs else torch.empty(0)
@@ -189,8 +196,13 @@ class Model:
 
     def _prepare(self, batch: DataSet) -> tuple[torch.Tensor, torch.Tensor]:
         device = self.backend.device
-        x = self.precision.convert_input(batch.features.to(device, non_blocking=True))
+        x = self._convert_input(batch.features.to(device, non_blocking=True))
         return x, batch.labels.to(device, non_blocking=True)
+
+    def _convert_input(self, x: torch.Tensor) -> torch.Tensor:
+        """Features on the device -> the precision's dtype and the module's memory format."""
+        x = self.precision.convert_input(x)
+        return to_channels_last(x) if self._channels_last else x
 
     def _inference(self):
         self.init()

@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 
 from dl4py.backend import Backend, Precision
+from dl4py.backend.cuda_environment import environment
 from dl4py.config.network import NetworkConfig
 from dl4py.errors import DataError
 from dl4py.nn.builder import OutputLoss, build_module
 from dl4py.nn.model import Model
-from dl4py.nn.optimizers import make_optimizer, param_groups
+from dl4py.nn.optimizers import make_optimizer, optimizer_kernel, param_groups
 from dl4py.nn.summary import summary_table
 
 
@@ -42,7 +43,9 @@ class MultiLayerNetwork(Model):
         # seed give the same network whatever else the program did with torch's RNG.
         generator = torch.Generator().manual_seed(self.config.seed)
         module = build_module(self.config, generator).to(device=device, dtype=dtype)
-        optimizer = make_optimizer(self.config.updater, param_groups(self.config, module))
+        kernel = optimizer_kernel(environment().fused_optimizer, self.config.updater, device,
+                                  loss_scaling=self.precision.uses_loss_scaling)
+        optimizer = make_optimizer(self.config.updater, param_groups(self.config, module), kernel)
         return module, optimizer
 
     def loss(self, outputs, labels):

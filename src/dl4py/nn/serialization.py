@@ -24,6 +24,7 @@ from dl4py.io import atomic_write_bytes
 
 FORMAT = "dl4py-model"
 FORMAT_VERSION = 1
+_KERNEL_KEYS = ("foreach", "fused")  # torch.optim's implementation flags
 
 
 def save_model(model, path, save_updater: bool = True) -> None:
@@ -124,7 +125,12 @@ def _restore(model, entries: dict[str, bytes], meta: dict, path: Path) -> None:
         state = _join_optimizer_state(
             json.loads(entries["updater.json"]), st_load(entries["updater.safetensors"])
         )
+        # Which kernel steps the parameters is the environment's choice, not the file's; torch
+        # casts the loaded state (step counters) for the kernel named in the groups it is given.
+        for saved, current in zip(state["param_groups"], model.optimizer.param_groups):
+            saved.update({key: current[key] for key in _KERNEL_KEYS if key in current})
         model.optimizer.load_state_dict(state)
+        _match_parameter_layouts(model.optimizer)
     model.epoch_count = meta["epoch_count"]
     model.iteration_count = meta["iteration_count"]
     model.batch_in_epoch = meta.get("batch_in_epoch", 0)
@@ -170,7 +176,8 @@ def _cpu_tensors(tensors: dict) -> dict[str, torch.Tensor]:
 
 
 def _split_optimizer_state(state_dict: dict) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Optimizer state -> (JSON part, tensors keyed ``param_id/name``)."""
+    """Optimizer state -> (JSON part, tensors keyed ``param_id/name``). The kernel flags are
+    left out: they belong to the environment that trains the model, not to the model."""
     tensors, scalars = {}, {}
     for pid, entries in state_dict["state"].items():
         for name, value in entries.items():
@@ -178,7 +185,23 @@ def _split_optimizer_state(state_dict: dict) -> tuple[dict, dict[str, torch.Tens
                 tensors[f"{pid}/{name}"] = value.detach().to("cpu").contiguous().clone()
             else:
                 scalars.setdefault(str(pid), {})[name] = value
-    return {"param_groups": state_dict["param_groups"], "scalars": scalars}, tensors
+    groups = [{k: v for k, v in group.items() if k not in _KERNEL_KEYS} for group in state_dict["param_groups"]]
+    return {"param_groups": groups, "scalars": scalars}, tensors
+
+
+@torch.no_grad()
+def _match_parameter_layouts(optimizer) -> None:
+    """Give loaded state tensors their parameter's strides (channels_last convolution weights).
+
+    Files hold contiguous tensors; torch's fused kernels assume a parameter, its gradient and
+    its state share one layout, and on a CPU compute wrong values, silently, when they differ.
+    """
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            for name, value in state.items():
+                if torch.is_tensor(value) and value.shape == param.shape and value.stride() != param.stride():
+                    state[name] = torch.empty_like(param, dtype=value.dtype).copy_(value)
 
 
 def _join_optimizer_state(state_json: dict, tensors: dict[str, torch.Tensor]) -> dict:

@@ -8,6 +8,8 @@ import torch
 from torch import nn
 
 from dl4py.backend import Backend, Precision
+from dl4py.backend.cuda_environment import environment
+from dl4py.errors import BackendError
 from dl4py.nn.model import Model
 
 
@@ -46,6 +48,12 @@ class TorchModel(Model):
         self._output_activation = output_activation
 
     def _build(self, device: torch.device, dtype: torch.dtype):
+        if environment().fused_optimizer == "on":
+            raise BackendError(
+                "environment setting fused_optimizer=on applies to the optimizers dl4py builds from "
+                "an updater; a TorchModel's optimizer is yours: pass fused=True to it "
+                "(torch.optim.SGD, Adam, AdamW) and set fused_optimizer to auto"
+            )
         # Module.to() swaps parameter data in place, so an optimizer built on these
         # parameters before the move still refers to them.
         module = self._module_in.to(device=device, dtype=dtype)

@@ -22,6 +22,7 @@ from typing import Iterator
 import torch
 
 from dl4py.data import ArrayDataSetIterator, DataSet
+from dl4py.data.prefetch import copy_to_device, wait_for_copy
 from dl4py.errors import DataError
 from dl4py.parallel.plan import RoundPlan
 
@@ -146,7 +147,8 @@ def get_bounded(q, stop_event, timeout: float, what: str):
 
 
 class Prefetcher:
-    """Up to ``depth`` batches ready on the worker's device ahead of the training step."""
+    """Up to ``depth`` batches ready on the worker's device ahead of the training step,
+    gathered on a thread and, on CUDA, copied from pinned memory on a side stream."""
 
     def __init__(self, batches: Iterator[tuple[int, DataSet]], device: torch.device, depth: int,
                  pin: bool, timeout: float):
@@ -156,16 +158,19 @@ class Prefetcher:
         self._timeout = timeout
         self._queue: queue.Queue | None = queue.Queue(maxsize=depth) if depth > 0 else None
         self._stop = threading.Event()
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         if self._queue is not None:
             self._thread = threading.Thread(target=self._fill, name="dl4py-prefetch", daemon=True)
             self._thread.start()
 
     def _move(self, item):
         round_index, batch = item
-        x, y = batch.features, batch.labels
-        if self._pin:
-            x, y = x.pin_memory(), y.pin_memory()
-        return round_index, x.to(self._device, non_blocking=True), y.to(self._device, non_blocking=True)
+        return (round_index, *copy_to_device(batch, self._device, self._pin, self._stream))
+
+    def _ready(self, moved) -> tuple[int, torch.Tensor, torch.Tensor]:
+        round_index, batch, event = moved
+        batch = wait_for_copy(batch, event, self._device)  # on the training thread's stream
+        return round_index, batch.features, batch.labels
 
     def _fill(self) -> None:
         try:
@@ -182,7 +187,7 @@ class Prefetcher:
 
     def __iter__(self):
         if self._queue is None:
-            yield from (self._move(item) for item in self._source)
+            yield from (self._ready(self._move(item)) for item in self._source)
             return
         while True:
             item = get_bounded(self._queue, self._stop, self._timeout, "the next prefetched batch")
@@ -190,7 +195,7 @@ class Prefetcher:
                 return
             if isinstance(item, BaseException):
                 raise item
-            yield item
+            yield self._ready(item)
 
     def close(self) -> None:
         self._stop.set()

@@ -203,7 +203,7 @@ def _train_epoch(replica, step, rank, world, spec, source, device, report, liste
                     if item is None:
                         raise DataError(f"worker {rank} ran out of batches in round {round_index} of epoch {epoch}")
                     _, features, labels = item
-                    features = replica.precision.convert_input(features)
+                    features = replica._convert_input(features)  # dtype and memory format
                     if batches == 0:
                         replica.check_features(features, f"worker {rank}, epoch {epoch}")
                         replica.check_labels(labels, f"worker {rank}, epoch {epoch}")

@@ -1,5 +1,8 @@
 """The single-device training loop: epochs of steps, listeners, resume, clean Ctrl-C.
 
+Batches come from ``data_source``: on a GPU, the whole data set held on the device when it
+fits, else batches copied ahead of use from pinned memory.
+
 Hot-path rule: nothing here forces a device synchronisation per step. Losses stay on the
 device; listeners read them only when they report, and the NaN check looks at a running
 sum every ``NAN_CHECK_EVERY`` steps and at the end of each epoch.
@@ -49,6 +52,7 @@ def fit(model, iterator, epochs: int, listeners: list) -> list[EpochSummary]:
     model._stop_reason = None
     if model._train_step is None:
         model._train_step = make_train_step(model)
+    iterator = data_source(model, iterator)
     summaries: list[EpochSummary] = []
     interrupted = False
     with DeferredInterrupt() as interrupt:
@@ -119,6 +123,28 @@ def _run_epoch(model, iterator, listeners, interrupt) -> EpochSummary | None:
     seconds = time.perf_counter() - started
     mean = float(loss_sum) / batches if batches else float("nan")
     return EpochSummary(epoch, batches, examples, mean, seconds)
+
+
+def data_source(model, iterator):
+    """What the loop reads: the data set held on the device (environment setting
+    ``device_data``), batches copied to a GPU ahead of use, or the iterator as it is (CPU)."""
+    from dl4py.backend.cuda_environment import environment
+    from dl4py.data.device import DeviceDataSetIterator, use_device_data
+    from dl4py.data.prefetch import PrefetchIterator
+
+    env, device = environment(), model.backend.device
+    if isinstance(iterator, DeviceDataSetIterator):
+        return iterator
+    cached = model._device_data
+    if cached is not None and cached.copies(iterator) and cached.device == device and env.device_data != "off":
+        return cached  # kept from an earlier fit (early stopping fits one epoch at a time)
+    model._device_data = None  # the old copy goes before a new one is made
+    if use_device_data(env.device_data, iterator, device):
+        model._device_data = DeviceDataSetIterator(iterator, device)
+        return model._device_data
+    if device.type == "cuda":
+        return PrefetchIterator(iterator, device, pin=env.pinned_memory)
+    return iterator
 
 
 def check_finite(model, loss_sum: torch.Tensor, epoch: int) -> None:

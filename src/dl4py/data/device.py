@@ -1,0 +1,144 @@
+"""A whole in-memory data set held on the training device, shuffled and sliced there.
+
+Small data sets (MNIST is 188 MB as float32) fit in a GPU's memory many times over. Held
+there, a batch is one gather on the device instead of a gather, a host-to-device copy and
+a wait; for a small network that per-step cost is most of the step. The batches are the
+ones the host iterator yields, value for value: the epoch's order is the iterator's own
+``epoch_order`` (computed on the host, a small index tensor) and the gather is the same
+``index_select``. The environment's ``device_data`` setting decides when ``fit`` does this
+(``use_device_data``).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from dl4py.data.dataset import DataSet
+from dl4py.data.iterators import ArrayDataSetIterator, DataSetIterator
+from dl4py.errors import DataError
+
+__all__ = ["DeviceDataSetIterator", "dataset_fits", "use_device_data"]
+
+# Share of the free device memory a data set may take under ``device_data: auto``; the rest
+# is for the network's parameters, activations and the allocator's cache.
+DEVICE_DATA_FRACTION = 0.25
+
+
+def dataset_fits(nbytes: int, device, free_bytes: int | None = None) -> bool:
+    """Whether ``nbytes`` of data may be kept on ``device``: at most DEVICE_DATA_FRACTION of its
+    free memory (``free_bytes``, by default what CUDA reports now, within any memory cap).
+    A CPU "device" is host memory, where the data already is: always True."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return True
+    if free_bytes is None:
+        free_bytes = _free_bytes(device)
+    return nbytes <= DEVICE_DATA_FRACTION * free_bytes
+
+
+def _free_bytes(device: torch.device) -> int:
+    from dl4py.backend.cuda_environment import device_cache_limit, environment
+
+    free, total = torch.cuda.mem_get_info(device)
+    cap = environment().max_device_cache
+    if cap is not None:  # a per-process cap leaves less than the device has free
+        kind, amount = device_cache_limit(cap)
+        limit = amount * total if kind == "fraction" else amount
+        free = min(free, max(int(limit) - torch.cuda.memory_reserved(device), 0))
+    return int(free)
+
+
+def holds_arrays(iterator) -> bool:
+    """An ArrayDataSetIterator (MNIST, CSV, arrays) that batches the standard way, so its
+    batches can be cut from a copy of its tensors."""
+    kind = type(iterator)
+    return (isinstance(iterator, ArrayDataSetIterator)
+            and kind._batch is ArrayDataSetIterator._batch and kind.__iter__ is ArrayDataSetIterator.__iter__)
+
+
+def data_bytes(iterator: ArrayDataSetIterator) -> int:
+    return sum(t.numel() * t.element_size() for t in (iterator.features, iterator.labels))
+
+
+def use_device_data(setting: str, iterator, device: torch.device) -> bool:
+    """The environment's ``device_data`` for this iterator and device.
+
+    ``auto``: on for an in-memory iterator on CUDA when ``dataset_fits``; ``on``: on for any
+    device, a DataError for an iterator that is not in memory; ``off``: never.
+    """
+    if setting == "off" or isinstance(iterator, DeviceDataSetIterator):
+        return False
+    if not holds_arrays(iterator):
+        if setting == "on":
+            raise DataError(
+                f"environment setting device_data=on, but {type(iterator).__name__} does not hold its "
+                "data in memory as an ArrayDataSetIterator does (MNIST, CSV, arrays), so it cannot be "
+                "copied to the device; set device_data to auto (its batches are then prefetched) or off"
+            )
+        return False
+    return setting == "on" or (device.type == "cuda" and dataset_fits(data_bytes(iterator), device))
+
+
+class DeviceDataSetIterator(DataSetIterator):
+    """``iterator``'s features and labels copied once to ``device``; its batches cut there.
+
+    The epoch counter stays the wrapped iterator's, so both give the same order whichever
+    is iterated. The copy is taken at construction: later changes to the iterator's
+    tensors are not seen.
+
+    >>> train = MnistDataSetIterator(128, train=True, seed=123)          # doctest: +SKIP
+    >>> model.fit(DeviceDataSetIterator(train, "cuda"), epochs=2)       # doctest: +SKIP
+    """
+
+    def __init__(self, iterator: ArrayDataSetIterator, device):
+        if not holds_arrays(iterator):
+            raise DataError(
+                f"DeviceDataSetIterator needs an in-memory ArrayDataSetIterator (MNIST, CSV, arrays), "
+                f"got {type(iterator).__name__}"
+            )
+        self.iterator = iterator
+        self.device = torch.device(device)
+        self.batch_size = iterator.batch_size
+        self._sources = (iterator.features, iterator.labels)
+        self.features = iterator.features.to(self.device)
+        self.labels = iterator.labels.to(self.device)
+
+    def copies(self, iterator) -> bool:
+        """Whether this is a copy of ``iterator``'s current tensors."""
+        return (self.iterator is iterator and self._sources[0] is iterator.features
+                and self._sources[1] is iterator.labels)
+
+    def __len__(self) -> int:
+        return len(self.iterator)
+
+    def total_examples(self) -> int:
+        return self.iterator.total_examples()
+
+    def num_classes(self) -> int | None:
+        return self.iterator.num_classes()
+
+    def input_shape(self) -> tuple[int, ...]:
+        return self.iterator.input_shape()
+
+    def set_epoch(self, epoch: int) -> None:
+        self.iterator.set_epoch(epoch)
+
+    def _take_epoch(self) -> int:
+        return self.iterator._take_epoch()
+
+    def __iter__(self) -> Iterator[DataSet]:
+        it = self.iterator
+        epoch = it._take_epoch()
+        size, stop = it.batch_size, it.total_examples()
+        if not it.shuffle:
+            return (DataSet(self.features[i : i + size], self.labels[i : i + size]) for i in range(0, stop, size))
+        order = it.epoch_order(epoch).to(self.device)
+        return (self._gather(order[i : i + size]) for i in range(0, stop, size))
+
+    def _gather(self, rows: torch.Tensor) -> DataSet:
+        return DataSet(self.features.index_select(0, rows), self.labels.index_select(0, rows))
+
+    def __repr__(self) -> str:
+        return f"DeviceDataSetIterator({self.iterator!r}, device={self.device})"
