@@ -218,7 +218,7 @@ def test_overrides_apply_with_types(lenet_run):
     ("training.epoch=3", r"training\.epoch: unknown key 'epoch' in training; valid keys: epochs"),
     ("training.epochs=three", r"training\.epochs: must be an integer, got 'three'"),
     ("training.epochs=0", r"training\.epochs: must be positive, got 0"),
-    ("training.batch_size=1.5", r"training\.batch_size: must be an integer"),
+    ("training.batch_size=1.5", r"training\.batch_size: must be int or .auto."),
     ("network.layers[7].n_out=3", r"index 7 is out of range: network\.layers has 6 entries"),
     ("network.layers[1].n_out=3", r"unknown key 'n_out' in network\.layers\[1\]"),
     ("network.layers[0].activation=swish", r"network\.layers\[0\]\.activation: must be one of"),

@@ -7,9 +7,12 @@
     dl4py evaluate MODEL [--config CONFIG] [--limit N] [--json]
     dl4py summary CONFIG
     dl4py info [--json]
+    dl4py memory CONFIG.yaml [--batch-size N] [--precision P] [--inference]
+                             [--device-memory 80GB | --device cuda:0|cpu] [--json]
     dl4py sweep CONFIG.yaml --grid key=v1,v2,... [--random N --range key=lo:hi[:log]]
                             [--devices all|cpu|0,1] [--per-device K] [--metric M]
                             [--output DIR] [--resume] [--set key=value ...]
+    dl4py bench [overhead|throughput|time-to-accuracy|all] [--device auto|cpu|gpu] [--quick]
 
 Flags are shorthands for ``--set`` on the same keys, so every value is type-checked by
 the config schema. Errors print one line naming the key, layer or file at fault.
@@ -33,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a network from a run config (YAML or JSON)")
     train.add_argument("config", type=Path)
     train.add_argument("--epochs", type=int, help="training.epochs")
-    train.add_argument("--batch-size", type=int, help="training.batch_size")
+    train.add_argument("--batch-size", type=_batch_size, help="training.batch_size: a number, or auto (the largest that fits)")
     train.add_argument("--backend", choices=["auto", "cpu", "gpu"], help="training.backend")
     train.add_argument("--precision", help="training.precision (float, double, half, bfloat16, mixed-fp16, mixed-bf16)")
     train.add_argument("--workers", type=int, help="training.workers: > 1 trains data-parallel with a ParallelWrapper")
@@ -59,6 +62,16 @@ def _parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="backend, devices and versions")
     info.add_argument("--json", action="store_true")
 
+    memory = sub.add_parser("memory", help="estimate the memory of a training step; does it fit, with which batch?")
+    memory.add_argument("config", type=Path)
+    memory.add_argument("--batch-size", type=int, help="default: training.batch_size of the config")
+    memory.add_argument("--precision", help="default: training.precision of the config")
+    memory.add_argument("--device-memory", metavar="SIZE", help="the GPU's memory, e.g. 80GB or 24GiB")
+    memory.add_argument("--device", help="cuda (default), cuda:N or cpu; with no --device-memory, "
+                                         "its free memory is read when it is present")
+    memory.add_argument("--inference", action="store_true", help="inference only: no gradients, no updater")
+    memory.add_argument("--json", action="store_true")
+
     sweep = sub.add_parser("sweep", help="run a grid (or random sample) of configs, several processes per device")
     sweep.add_argument("config", type=Path, nargs="?", help="run config (may be left out with --resume)")
     sweep.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...",
@@ -74,7 +87,23 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("--metric", help="result.json key to rank by (default test_accuracy)")
     sweep.add_argument("--output", type=Path, help="sweep folder (default: sweeps/<config>-<time>)")
     sweep.add_argument("--resume", action="store_true", help="run what is unfinished in the sweep in --output")
+
+    bench = sub.add_parser("bench", help="speed benchmarks (from a source checkout): JSON + markdown in benchmarks/results")
+    bench.add_argument("which", nargs="?", default="all", choices=["overhead", "throughput", "time-to-accuracy", "all"])
+    bench.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"])
+    bench.add_argument("--quick", action="store_true", help="a short smoke run; its figures are not for the record")
+    bench.add_argument("--out", type=Path, help="results folder (default: benchmarks/results)")
+    bench.add_argument("--benchmarks", type=Path, help="the benchmarks/ folder (default: the checkout's)")
     return parser
+
+
+def _batch_size(text: str) -> int | str:
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number or auto, got {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         return {"train": _train, "evaluate": _evaluate, "summary": _summary, "info": _info,
-                "sweep": _sweep}[args.command](args)
+                "sweep": _sweep, "memory": _memory, "bench": _bench}[args.command](args)
     except DL4PyError as exc:
         print(f"dl4py {args.command}: error: {exc}", file=sys.stderr)
         return 2
@@ -141,6 +170,43 @@ def _sweep(args) -> int:
     return 1 if result.failed else 0  # the sweep ran, but not every experiment did
 
 
+def _memory(args) -> int:
+    import torch
+
+    from dl4py.config import RunConfig
+    from dl4py.memory import estimate, max_batch_size
+    from dl4py.memory.capacity import device_memory, fixed_budget
+    from dl4py.memory.report import format_report, verdict
+
+    config = RunConfig.from_file(args.config)
+    device = torch.device(args.device or "cuda")
+    batch = args.batch_size or config.training.batch_size
+    if batch == "auto":
+        batch = None
+    if args.device_memory:
+        memory = fixed_budget(args.device_memory, device.type)
+    elif args.device or (device.type == "cuda" and torch.cuda.is_available()):
+        memory = device_memory(device)
+    else:
+        memory = None  # nothing to compare with: the report alone
+    precision = args.precision or config.training.precision
+    options = dict(precision=precision, device=device.type, training=not args.inference)
+    largest = None
+    if memory is not None:
+        largest = max_batch_size(config, memory.bytes, context=memory.context_included, **options)
+    if batch is None:  # batch_size: auto in the config: report at the largest that fits
+        batch = largest or 1
+    report = estimate(config, batch, **options)
+    answer = verdict(report, memory, largest)
+    if args.json:
+        print(json.dumps({**report.to_dict(), **answer}, indent=2))
+    else:
+        print(format_report(report, answer))
+        if memory is None:
+            print("\n(no device memory to compare with: give --device-memory, e.g. 80GB)")
+    return 0
+
+
 def _evaluate(args) -> int:
     from dl4py.config import RunConfig
     from dl4py.config.run import DataConfig
@@ -175,6 +241,17 @@ def _summary(args) -> int:
     table, _ = summary_table(config.network)
     print(table)
     return 0
+
+
+def _bench(args) -> int:
+    from dl4py import bench
+
+    names = list(bench.BENCHMARKS) if args.which == "all" else [args.which]
+    statuses = bench.run(names, args.device, args.quick, out=args.out, folder=args.benchmarks)
+    failed = [name for name, status in statuses if status != 0]
+    if failed:
+        print(f"dl4py bench: error: {', '.join(failed)} failed (its output is above)", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _info(args) -> int:

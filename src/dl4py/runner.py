@@ -122,6 +122,7 @@ def train_run(
         model = load(checkpoint, backend=config.training.backend, precision=config.training.precision)
         log.info("resuming %s at epoch %d, iteration %d", run_dir, model.epoch_count, model.iteration_count)
     model.init()
+    config = _resolve_batch_size(config, model)
     atomic_write_text(run_dir / "config.yaml", config.to_yaml())
     atomic_write_json(run_dir / "environment.json", environment_record(model))
 
@@ -157,6 +158,20 @@ def train_run(
     result.update(_result_fields(config, model, summaries, evaluation, started), status="completed")
     atomic_write_json(run_dir / "result.json", result)
     return result
+
+
+def _resolve_batch_size(config: RunConfig, model) -> RunConfig:
+    """``batch_size: auto`` becomes the largest batch that fits the model's device; the run
+    records the number it chose, so a resumed run keeps it."""
+    if config.training.batch_size != "auto":
+        return config
+    from dl4py.memory.auto import auto_batch_size
+
+    probe, _ = make_iterators(config.data, 1, config.network.input_type.example_shape())
+    example_bytes = probe.features[:1].element_size() * probe.features[:1].numel() + probe.labels[:1].element_size()
+    batch, _ = auto_batch_size(config, model.backend.device, probe.total_examples(), example_bytes,
+                               workers=config.training.workers)
+    return config.with_overrides([f"training.batch_size={batch}"])
 
 
 def _fit(model, training, train, epochs: int, listeners: list):

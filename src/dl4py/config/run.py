@@ -76,7 +76,7 @@ class EarlyStoppingSection(ConfigBase):
 @dataclass(frozen=True)
 class TrainingConfig(ConfigBase):
     epochs: int = 1
-    batch_size: int = 128
+    batch_size: int | Literal["auto"] = 128  # auto: the largest that fits the device (docs/memory.md)
     backend: Literal["auto", "cpu", "gpu"] = "auto"
     precision: Precision = "float"
     workers: int = 1  # more than 1: data-parallel training by a ParallelWrapper
@@ -91,7 +91,7 @@ class TrainingConfig(ConfigBase):
     def validate(self, where: str) -> None:
         for name in ("epochs", "batch_size", "workers"):
             value = getattr(self, name)
-            if value <= 0:
+            if value != "auto" and value <= 0:
                 raise ConfigError(join(where, name), f"must be positive, got {value}")
         if self.score_every < 0:
             raise ConfigError(join(where, "score_every"), f"must be zero or more, got {self.score_every}")
@@ -130,11 +130,18 @@ class EnvironmentConfig(ConfigBase):
     debug: Optional[bool] = None  # default false
     compile: Optional[Literal["off", "default", "max-autotune"]] = None  # default off
     cuda_graphs: Optional[bool] = None  # default false
+    device_data: Optional[Literal["auto", "on", "off"]] = None  # default auto
+    fused_optimizer: Optional[Literal["auto", "on", "off"]] = None  # default auto
+    channels_last: Optional[Literal["auto", "on", "off"]] = None  # default auto
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "") -> "EnvironmentConfig":
         if isinstance(data, dict) and isinstance(data.get("compile"), bool):  # YAML reads `off` as false
             data = {**data, "compile": "default" if data["compile"] else "off"}
+        if isinstance(data, dict):  # and a bare on/off as true/false
+            for name in ("device_data", "fused_optimizer", "channels_last"):
+                if isinstance(data.get(name), bool):
+                    data = {**data, name: "on" if data[name] else "off"}
         return dataclass_from_dict(cls, data, where)
 
     def validate(self, where: str) -> None:

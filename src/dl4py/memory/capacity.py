@@ -1,0 +1,138 @@
+"""The estimator turned around: how many parameters, and how large a batch, fit.
+
+``max_parameters`` is the seed's back-of-the-envelope question in general form: device
+memory less a reserve, over the bytes each parameter costs (its value, its gradient, the
+updater's copies, a float32 master for 16-bit weights). ``max_batch_size`` searches the
+full estimate, activations included, for the largest batch under a budget.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from dl4py.backend.environment_settings import parse_size
+from dl4py.backend.precision import resolve_precision
+from dl4py.config.updaters import Nesterovs, Updater
+from dl4py.errors import BackendError, ConfigError
+from dl4py.memory.estimate import CUDA_CONTEXT_BYTES, estimate
+
+
+def bytes_per_parameter(precision: str = "float", updater: Updater | None = None, gradients: bool = True) -> int:
+    """Bytes one trained parameter needs, activations aside."""
+    policy = resolve_precision(precision)
+    updater = updater if updater is not None else Nesterovs()
+    value = torch.empty((), dtype=policy.param_dtype).element_size()
+    stepped = 4 if policy.master_weights else value  # what the updater and gradients are kept in
+    master = 4 if policy.master_weights else 0
+    return value + master + (stepped if gradients else 0) + updater.state_copies * stepped
+
+
+def max_parameters(
+    memory_bytes: int | str,
+    precision: str = "float",
+    updater: Updater | None = None,
+    reserved_bytes: int | str = 0,
+    gradients: bool = True,
+) -> int:
+    """The most parameters that fit, activations aside. The seed's example, 6 GiB less a
+    400 MiB reserve, parameters and momentum only, float: 752,877,568::
+
+        max_parameters("6GiB", "float", Nesterovs(), reserved_bytes="400MiB", gradients=False)
+    """
+    memory = parse_size(memory_bytes, "memory_bytes")
+    reserved = 0 if reserved_bytes in (0, "0") else parse_size(reserved_bytes, "reserved_bytes")
+    if reserved >= memory:
+        raise ConfigError("reserved_bytes", f"{reserved:,} bytes leaves nothing of {memory:,}")
+    return (memory - reserved) // bytes_per_parameter(precision, updater, gradients)
+
+
+def max_batch_size(
+    config,
+    memory_bytes: int | str,
+    precision: str | None = None,
+    updater: Updater | None = None,
+    device: str = "cuda",
+    margin: float = 0.0,
+    context: bool = True,
+    limit: int = 1 << 24,
+    **options,
+) -> int:
+    """The largest batch whose estimated training step fits in ``memory_bytes`` less a
+    ``margin`` (a fraction kept free for what the estimate leaves out); 0 if none does.
+
+    ``context=False`` when the budget is already net of the CUDA context (free memory read
+    from this process's device).
+    """
+    if not 0 <= margin < 1:
+        raise ConfigError("margin", f"must be a fraction in [0, 1), got {margin!r}")
+    budget = parse_size(memory_bytes, "memory_bytes") * (1 - margin)
+
+    def fits(batch: int) -> bool:
+        report = estimate(config, batch, precision, updater, device=device, **options)
+        needed = report.total_bytes - (0 if context else report.fixed.get("cuda_context", 0))
+        return needed <= budget
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high <= limit and fits(high):  # memory grows with the batch: double, then bisect
+        low, high = high, high * 2
+    high = min(high, limit + 1)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Memory a device offers: ``bytes``, where the figure came from, and whether the CUDA
+    context is still to come out of it (a card's total) or already has (free memory)."""
+
+    bytes: int
+    source: str
+    device_type: str
+    context_included: bool
+
+
+def device_memory(device: str | torch.device) -> DeviceMemory:
+    """Free memory of a CUDA device as this process sees it, or available RAM for the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise BackendError(f"device {device} was named but CUDA is not available here; "
+                               "give --device-memory instead (e.g. 80GB)")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise BackendError(f"device cuda:{index} does not exist: {torch.cuda.device_count()} CUDA device(s) visible")
+        free, total = torch.cuda.mem_get_info(index)
+        name = torch.cuda.get_device_name(index)
+        return DeviceMemory(free, f"cuda:{index} ({name}): {free:,} of {total:,} bytes free", "cuda", False)
+    if device.type == "cpu":
+        available = _available_ram()
+        return DeviceMemory(available, f"cpu: {available:,} bytes of RAM available", "cpu", False)
+    raise BackendError(f"cannot read the memory of device {device}; give --device-memory instead")
+
+
+def fixed_budget(size: int | str, device_type: str = "cuda") -> DeviceMemory:
+    """A device's total memory given as a size (``80GB``): the CUDA context comes out of it."""
+    memory = parse_size(size, "--device-memory")
+    return DeviceMemory(memory, f"{memory:,} bytes given", device_type, device_type == "cuda")
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+__all__ = ["CUDA_CONTEXT_BYTES", "DeviceMemory", "bytes_per_parameter", "device_memory", "fixed_budget",
+           "max_batch_size", "max_parameters"]

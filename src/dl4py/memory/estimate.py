@@ -1,0 +1,297 @@
+"""``estimate``: the device memory one training (or inference) step of a network needs.
+
+The answer comes from the config alone; nothing is built or allocated. It counts what
+PyTorch really keeps: parameters (and float32 master copies for ``half``/``bfloat16``),
+gradients, the updater's state (SGD none, Nesterov and RMSProp one copy, Adam two),
+the activations autograd saves for the backward pass, layer by layer, the batch, and the
+temporaries of the backward pass and of the update, then takes the peak over the step.
+On a GPU it adds the framework's fixed costs: the CUDA context, cuBLAS' workspace and
+the allocator's rounding. docs/memory.md explains the model and its limits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from dl4py.backend.precision import resolve_precision
+from dl4py.config.layers import OutputLayer
+from dl4py.config.network import NetworkConfig
+from dl4py.config.updaters import Updater
+from dl4py.errors import ConfigError
+from dl4py.memory.operations import Op, network_ops
+from dl4py.memory.timeline import Timeline
+from dl4py.memory.updater_memory import optimizer_implementation, update_temporaries
+
+MiB = 2**20
+# Outside PyTorch's allocator, so torch.cuda.memory_allocated never shows it: the CUDA
+# context with cuDNN and cuBLAS loaded lazily (CUDA 12) is typically 300-600 MiB.
+CUDA_CONTEXT_BYTES = 512 * MiB
+_ALLOCATOR_GRANULE = 512  # PyTorch's CUDA allocator rounds every block up to 512 bytes
+
+
+@dataclass(frozen=True)
+class LayerMemory:
+    index: int
+    type_name: str
+    output_shape: str
+    parameters: int
+    parameter_bytes: int
+    activation_bytes: int  # saved for the backward pass (training) at this batch size
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes of one step. ``peak_bytes`` is the most alive at once, split by kind in
+    ``at_peak``; ``total_bytes`` adds the fixed costs and is what the device must have."""
+
+    batch_size: int
+    precision: str
+    updater: str
+    training: bool
+    device_type: str
+    optimizer: str  # the update's implementation: loop, foreach or fused
+    parameters: int
+    parameter_bytes: int  # the module's parameters and buffers, plus float32 masters
+    gradient_bytes: int
+    updater_bytes: int
+    activation_bytes: int  # saved for backward at the end of the forward pass
+    input_bytes: int  # the batch: features and labels
+    peak_bytes: int
+    peak_phase: str
+    at_peak: dict
+    fixed: dict = field(default_factory=dict)  # framework costs, by name
+    layers: tuple = ()
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Temporaries alive at the peak: gradients in flight, the update's scratch tensors."""
+        return self.at_peak.get("workspace", 0)
+
+    @property
+    def fixed_bytes(self) -> int:
+        return sum(self.fixed.values())
+
+    @property
+    def total_bytes(self) -> int:
+        return self.peak_bytes + self.fixed_bytes
+
+    def to_dict(self) -> dict:
+        data = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "layers"}
+        data.update(workspace_bytes=self.workspace_bytes, fixed_bytes=self.fixed_bytes,
+                    total_bytes=self.total_bytes)
+        data["layers"] = [vars(row) if not hasattr(row, "__dataclass_fields__") else
+                          {k: getattr(row, k) for k in row.__dataclass_fields__} for row in self.layers]
+        return data
+
+
+def estimate(
+    config,
+    batch_size: int,
+    precision: str | None = None,
+    updater: Updater | None = None,
+    training: bool = True,
+    device: str | torch.device = "cuda",
+    optimizer: str = "auto",
+    data_bytes: int = 0,
+) -> MemoryReport:
+    """Memory of one step of ``config`` (a NetworkConfig or RunConfig) at ``batch_size``.
+
+    ``precision`` defaults to the run config's, else float; ``updater`` replaces the
+    config's; ``device`` ("cuda" or "cpu") decides the fixed costs and how PyTorch
+    implements the update (``optimizer``: auto, loop, foreach, fused); ``data_bytes``
+    is a data set kept on the device. Example::
+
+        report = estimate(lenet, batch_size=128, precision="bfloat16")
+        print(report.total_bytes / 2**20, "MiB")
+    """
+    network, run_precision = _network(config)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+        raise ConfigError("batch_size", f"must be a positive whole number, got {batch_size!r}")
+    policy = resolve_precision(precision or run_precision or "float")
+    device_type = torch.device(device).type
+    updater = updater or network.updater
+    implementation = optimizer_implementation(optimizer, updater, device_type, policy.uses_loss_scaling)
+    ops = network_ops(network)
+    timeline = Timeline(_ALLOCATOR_GRANULE if device_type == "cuda" else 1)
+    sizes = _Sizes(policy, network)
+    n = batch_size
+
+    params = sum(op.param_elements for op in ops)
+    master = 4 * params if policy.master_weights and training else 0
+    module_bytes = params * sizes.param + _buffer_bytes(ops, sizes.param)
+    state_bytes = updater.state_copies * params * sizes.state if training else 0
+    timeline.alloc("parameters", module_bytes + master, "start")
+    timeline.alloc("updater_state", state_bytes, "start")
+    timeline.alloc("input", data_bytes, "start")
+    input_bytes = timeline.alloc("input", n * sizes.example_bytes + n * sizes.label_bytes, "start")
+
+    if training:
+        saved = _forward(ops, n, sizes, timeline)
+        activation_bytes = sum(saved.values())
+        _backward(ops, n, sizes, timeline)
+        _update(ops, updater, implementation, policy, sizes, timeline)
+        gradient_bytes = params * sizes.state
+    else:
+        activation_bytes, gradient_bytes = 0, 0
+        _inference(ops, n, sizes, timeline)
+        saved = {}
+
+    fixed = {}
+    if device_type == "cuda":
+        fixed = {"cuda_context": CUDA_CONTEXT_BYTES, "cublas_workspace": _cublas_workspace()}
+    return MemoryReport(
+        batch_size=n, precision=policy.name, updater=type(updater).__name__, training=training,
+        device_type=device_type, optimizer=implementation if training else "none",
+        parameters=params, parameter_bytes=module_bytes + master, gradient_bytes=gradient_bytes,
+        updater_bytes=state_bytes, activation_bytes=activation_bytes, input_bytes=input_bytes,
+        peak_bytes=timeline.peak, peak_phase=timeline.peak_phase, at_peak=timeline.peak_live,
+        fixed=fixed, layers=_layer_rows(network, ops, saved, sizes),
+    )
+
+
+class _Sizes:
+    """Bytes per element of each kind of tensor under a precision policy."""
+
+    def __init__(self, policy, network: NetworkConfig):
+        self.param = _itemsize(policy.param_dtype)
+        low = policy.autocast_dtype
+        self.activation = _itemsize(low) if low is not None else self.param
+        self.autocast = low is not None
+        self.state = 4 if policy.master_weights else self.param  # the updater steps these
+        self.master = policy.master_weights
+        examples = math.prod(network.input_type.example_shape())
+        self.example_bytes = examples * self.param  # convert_input casts to the parameter dtype
+        output: OutputLayer = network.layers[-1]
+        self.classes = output.n_out
+        self.label_bytes = 8 if output.loss in ("negativeloglikelihood", "mcxent") else 4 * output.n_out
+        self.input_elements = examples
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _network(config) -> tuple[NetworkConfig, str | None]:
+    if isinstance(config, NetworkConfig):
+        return config, None
+    network = getattr(config, "network", None)
+    if isinstance(network, NetworkConfig):
+        return network, config.training.precision
+    raise TypeError(f"estimate needs a NetworkConfig or RunConfig, got {type(config).__name__}")
+
+
+def _buffer_bytes(ops: list[Op], itemsize: int) -> int:
+    # Batch norm's running mean and variance, and its int64 count of batches.
+    return sum(op.param_elements * itemsize + 8 for op in ops if op.name == "batch_norm")
+
+
+def _forward(ops: list[Op], n: int, sizes: _Sizes, t: Timeline) -> dict[int, int]:
+    """Run the forward pass; return the bytes each layer leaves saved for backward."""
+    saved: dict[int, int] = {}
+    act = sizes.activation
+    for j, op in enumerate(ops):
+        phase = f"forward, layer {op.layer} ({op.name})"
+        if sizes.autocast and op.autocast:  # 16-bit copies of its parameters, and of a float input
+            t.alloc("activations", op.param_elements * act, phase)
+            if j == 0:
+                t.alloc("activations", n * sizes.input_elements * act, phase)
+        out = t.alloc("activations", n * op.out_elements * act, phase)
+        t.alloc("activations", n * op.extra_bytes + op.extra_fixed_bytes, phase)
+        saved[op.layer] = saved.get(op.layer, 0) + out * _kept(ops, j) + t.size(n * op.extra_bytes + op.extra_fixed_bytes)
+        if j > 0 and not _kept(ops, j - 1):  # its input is no longer needed by anyone
+            t.free("activations", n * ops[j - 1].out_elements * act)
+    # The loss: scores (kept by the step), a float32 copy of 16-bit scores, log-softmax.
+    loss = n * sizes.classes * (act + (4 if act < 4 else 0) + 4)
+    t.alloc("activations", loss, "forward, loss")
+    saved[ops[-1].layer] = saved.get(ops[-1].layer, 0) + loss
+    return saved
+
+
+def _kept(ops: list[Op], j: int) -> bool:
+    """Whether op j's result is saved for backward (by itself, or by the next op)."""
+    if j == len(ops) - 1:
+        return True  # the scores: the training step holds them
+    return ops[j].saves_result or ops[j + 1].saves_input
+
+
+def _backward(ops: list[Op], n: int, sizes: _Sizes, t: Timeline) -> None:
+    act = sizes.activation
+    # Gradients of the loss's float32 tensors, then of the scores.
+    t.alloc("workspace", 2 * n * sizes.classes * 4, "backward, loss")
+    grad_out = t.alloc("workspace", n * sizes.classes * act, "backward, loss")
+    t.free("workspace", 2 * n * sizes.classes * 4)
+    t.free("activations", n * sizes.classes * (act + (4 if act < 4 else 0) + 4) - n * ops[-1].out_elements * act)
+    for j in range(len(ops) - 1, -1, -1):
+        op = ops[j]
+        phase = f"backward, layer {op.layer} ({op.name})"
+        grad_in = n * ops[j - 1].out_elements * act if j > 0 else 0  # the batch needs no gradient
+        t.alloc("workspace", grad_in, phase)
+        cast = sizes.autocast and op.autocast and op.params
+        # The parameters' gradients: under autocast, first in 16 bits (for the cast copy).
+        t.alloc("workspace" if cast else "gradients", op.param_elements * (act if cast else sizes.param), phase)
+        # The node is done: it frees what it saved, and the gradient it consumed.
+        t.free("workspace", grad_out)
+        t.free("activations", n * op.extra_bytes + op.extra_fixed_bytes)
+        if op.saves_result:
+            t.free("activations", n * op.out_elements * act)
+        if j > 0 and op.saves_input and not ops[j - 1].saves_result:
+            t.free("activations", n * ops[j - 1].out_elements * act)
+        if sizes.autocast and op.autocast:
+            t.free("activations", op.param_elements * act)  # its 16-bit parameter copies
+            if j == 0:
+                t.free("activations", n * sizes.input_elements * act)  # and of the float input
+        if cast:  # the cast's backward: the float32 gradient of each parameter
+            t.alloc("gradients", op.param_elements * sizes.param, phase)
+            t.free("workspace", op.param_elements * act)
+        grad_out = t.size(grad_in)
+    t.free("workspace", grad_out)
+
+
+def _update(ops: list[Op], updater: Updater, implementation: str, policy, sizes: _Sizes, t: Timeline) -> None:
+    tensors = [p for op in ops for p in op.params]
+    if sizes.master:  # 16-bit gradients become float32 gradients of the masters, one by one
+        for elements, _ in tensors:
+            t.alloc("gradients", elements * 4, "update, gradients to float32 masters")
+            t.free("gradients", elements * sizes.param)
+    scratch = update_temporaries(updater, implementation, tensors, sizes.state)
+    t.alloc("workspace", scratch, f"update ({type(updater).__name__}, {implementation})")
+    t.free("workspace", scratch)
+
+
+def _inference(ops: list[Op], n: int, sizes: _Sizes, t: Timeline) -> None:
+    """No autograd: a result lives until the next operator has used it, and a layer's input
+    until the layer returns (its ``nn.Sequential`` still holds it)."""
+    act = sizes.activation
+    layer_input, previous = 0, None
+    for j, op in enumerate(ops):
+        out = n * op.out_elements * act
+        t.alloc("activations", out, f"inference, layer {op.layer} ({op.name})")
+        if previous is not None:
+            t.free("activations", previous)
+        last_of_layer = j == len(ops) - 1 or ops[j + 1].layer != op.layer
+        if last_of_layer:
+            t.free("activations", layer_input)
+            layer_input, previous = out, None
+        else:
+            previous = out
+
+
+def _layer_rows(network: NetworkConfig, ops: list[Op], saved: dict[int, int], sizes: _Sizes) -> tuple:
+    rows = []
+    for shapes in network.layer_shapes():
+        count = sum(op.param_elements for op in ops if op.layer == shapes.index)
+        rows.append(LayerMemory(
+            index=shapes.index, type_name=shapes.layer.type_name, output_shape=str(shapes.output),
+            parameters=count, parameter_bytes=count * sizes.param + (4 * count if sizes.master else 0),
+            activation_bytes=saved.get(shapes.index, 0),
+        ))
+    return tuple(rows)
+
+
+def _cublas_workspace() -> int:
+    # PyTorch's default CUBLAS_WORKSPACE_CONFIG: ":4096:2:16:8" (8.125 MiB), ":4096:8" on
+    # compute capability 9.x (32 MiB). Without a device to ask, the larger is assumed.
+    return 32 * MiB

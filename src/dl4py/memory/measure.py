@@ -1,0 +1,105 @@
+"""Measure the bytes of tensors alive during a training step, on any device.
+
+``torch.cuda.max_memory_allocated`` answers this on a GPU only. ``LiveTensorBytes`` is a
+``TorchDispatchMode`` that sees every tensor an operator returns (forward, backward and
+the optimizer's update alike) and follows each storage until it is freed, so the same
+peak can be read on a CPU. A storage's Python object lives exactly as long as the storage
+itself (PyTorch keeps the two together), so a weak reference to it reports the free.
+Tensors that exist before the mode starts (parameters, optimizer state, the batch) are
+registered with ``track``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Counts live storage bytes; ``peak`` is the most seen at once, ``peak_op`` where."""
+
+    def __init__(self):
+        super().__init__()
+        self._live: dict[int, int] = {}  # id(storage) -> bytes
+        self.current = 0
+        self.peak = 0
+        self.peak_op = "start"
+
+    def track(self, *tensors) -> None:
+        for tensor in tree_flatten(tensors)[0]:
+            if isinstance(tensor, torch.Tensor):
+                self._see(tensor)
+        self._update_peak("start")
+
+    def _see(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type == "meta":
+            return
+        storage = tensor.untyped_storage()
+        key, size = id(storage), storage.nbytes()
+        if key not in self._live:
+            weakref.finalize(storage, self._free, key)
+            self._live[key] = 0
+        # A storage can grow in place (resize_ for an out= result): count its size now.
+        self.current += size - self._live[key]
+        self._live[key] = size
+
+    def _free(self, key: int) -> None:
+        self.current -= self._live.pop(key, 0)
+
+    def _update_peak(self, where: str) -> None:
+        if self.current > self.peak:
+            self.peak, self.peak_op = self.current, where
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                self._see(tensor)
+        self._update_peak(str(func))
+        return out
+
+
+@dataclass(frozen=True)
+class MeasuredStep:
+    peak_bytes: int  # tensors alive at the step's peak
+    peak_op: str  # the operator after which the peak was reached
+    resident_bytes: int  # alive before the step: parameters, optimizer state, batch, gradients
+
+
+def measure_training_step(model, features: torch.Tensor, labels: torch.Tensor, warmup: int = 1) -> MeasuredStep:
+    """Peak live tensor bytes of one training step of an initialised dl4py model.
+
+    ``warmup`` steps run first, so the updater's state exists as it does in steady
+    training (its first step creates it); two examples are enough for that.
+    """
+    from dl4py.train.step import make_train_step
+
+    model.init()
+    step = make_train_step(model)
+    features = model.precision.convert_input(features.to(model.device))
+    labels = labels.to(model.device)
+    for _ in range(warmup):
+        step(features[:2], labels[:2])
+    tracker = LiveTensorBytes()
+    resident = _resident_tensors(model) + [features, labels]
+    tracker.track(resident)
+    resident_bytes = tracker.current
+    del resident
+    with tracker:
+        step(features, labels)
+    return MeasuredStep(tracker.peak, tracker.peak_op, resident_bytes)
+
+
+def _resident_tensors(model) -> list[torch.Tensor]:
+    tensors = list(model.module.parameters()) + list(model.module.buffers())
+    tensors += [p.grad for p in model.module.parameters() if p.grad is not None]
+    if model.master is not None:
+        tensors += list(model.master.master_module.parameters())
+        tensors += [p.grad for p in model.master.master_module.parameters() if p.grad is not None]
+    for state in model.optimizer.state.values():
+        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensors

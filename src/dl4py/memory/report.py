@@ -1,0 +1,66 @@
+"""The memory report as text and as JSON, with the plain answer: fits or does not fit."""
+
+from __future__ import annotations
+
+from dl4py.memory.capacity import DeviceMemory
+from dl4py.memory.estimate import MemoryReport
+
+
+def mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:,.1f} MiB"
+
+
+def needed_bytes(report: MemoryReport, memory: DeviceMemory) -> int:
+    """What the step needs of ``memory``: the CUDA context only if it is still to come out."""
+    return report.total_bytes - (0 if memory.context_included else report.fixed.get("cuda_context", 0))
+
+
+def verdict(report: MemoryReport, memory: DeviceMemory | None, largest_batch: int | None) -> dict:
+    if memory is None:
+        return {}
+    needed = needed_bytes(report, memory)
+    return {"device_memory": memory.bytes, "device_memory_source": memory.source, "needed_bytes": needed,
+            "fits": needed <= memory.bytes, "largest_batch_size": largest_batch}
+
+
+def format_report(report: MemoryReport, answer: dict) -> str:
+    mode = "training step" if report.training else "inference"
+    update = f", {report.optimizer} update" if report.training else ""
+    lines = [f"Memory of one {mode}: batch {report.batch_size:,}, precision {report.precision}, "
+             f"updater {report.updater}{update}, on {report.device_type}", ""]
+    rows = [("#", "layer", "output", "params", "param bytes", "saved for backward")]
+    for row in report.layers:
+        rows.append((str(row.index), row.type_name, row.output_shape, f"{row.parameters:,}",
+                     mib(row.parameter_bytes), mib(row.activation_bytes) if report.training else "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for n, r in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) if i in (1, 2) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if n == 0:
+            lines.append("-" * len(lines[-1]))
+    lines.append("")
+    masters = ", float32 masters included" if report.training and report.precision in ("half", "bfloat16") else ""
+    parts = [("parameters", f"{report.parameters:,} ({mib(report.parameter_bytes)}{masters})")]
+    if report.training:
+        parts += [("gradients", mib(report.gradient_bytes)), ("updater state", mib(report.updater_bytes))]
+    parts += [("input batch", mib(report.input_bytes))]
+    if report.training:
+        parts += [("activations saved", mib(report.activation_bytes))]
+    at_peak = ", ".join(f"{kind} {mib(n)}" for kind, n in report.at_peak.items() if n)
+    parts += [("peak of the step", f"{mib(report.peak_bytes)} in {report.peak_phase}"),
+              ("  alive at the peak", at_peak)]
+    for name, n in report.fixed.items():
+        parts.append((name.replace("_", " "), mib(n)))
+    parts.append(("total", mib(report.total_bytes)))
+    width = max(len(name) for name, _ in parts)
+    lines += [f"{name.ljust(width)}  {value}" for name, value in parts]
+    if answer:
+        lines.append("")
+        lines.append(f"device memory: {answer['device_memory_source']}")
+        share = answer["needed_bytes"] / answer["device_memory"]
+        word = "FITS" if answer["fits"] else "DOES NOT FIT"
+        lines.append(f"{word}: needs {mib(answer['needed_bytes'])} of {mib(answer['device_memory'])} ({share:.1%})")
+        largest = answer["largest_batch_size"]
+        if largest is not None:
+            lines.append(f"largest batch size that fits: {largest:,}" if largest else
+                         "not even a batch of 1 fits")
+    return "\n".join(lines)

@@ -1,0 +1,203 @@
+"""The memory estimator against the seed's arithmetic and against measured training steps.
+
+"Measured" is the peak of live tensor bytes in a real step of a real model, followed
+operator by operator (``LiveTensorBytes``, a TorchDispatchMode); the estimate comes from
+the config alone. Every case must agree within 10%.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dl4py import Adam, AdamW, MultiLayerNetwork, Nesterovs, NetworkConfig, RunConfig, Sgd
+from dl4py.cli import main
+from dl4py.errors import ConfigError
+from dl4py.memory import (
+    LiveTensorBytes,
+    bytes_per_parameter,
+    estimate,
+    max_batch_size,
+    max_parameters,
+    measure_training_step,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+LENET_YAML = ROOT / "examples" / "lenet_mnist.yaml"
+LENET = RunConfig.from_file(LENET_YAML).network
+
+
+def _mlp(hidden: int = 4000, updater=None, l2: float = 5e-4) -> NetworkConfig:
+    return NetworkConfig.from_dict({
+        "seed": 1, "updater": {"type": "nesterovs", "learning_rate": 0.01, "momentum": 0.9}, "l2": l2,
+        "input_type": {"type": "feed_forward", "size": 784},
+        "layers": [{"type": "dense", "n_out": hidden, "activation": "relu"},
+                   {"type": "dense", "n_out": hidden, "activation": "relu"},
+                   {"type": "output", "n_out": 10, "loss": "negativeloglikelihood"}],
+    }) if updater is None else _mlp(hidden, l2=l2).replace(updater=updater)
+
+
+VGG = RunConfig.from_file(ROOT / "examples" / "vgg_small.yaml").network  # conv pairs, batch norm, dropout
+MODELS = {"lenet": LENET, "mlp-784-4000-4000-10": RunConfig.from_file(ROOT / "examples" / "mlp_4000.yaml").network,
+          "vgg": VGG}
+
+
+def _measured(config: NetworkConfig, batch: int, precision: str) -> int:
+    net = MultiLayerNetwork(config, backend="cpu", precision=precision).init()
+    generator = torch.Generator().manual_seed(0)
+    features = torch.rand(batch, *config.input_type.example_shape(), generator=generator)
+    labels = torch.randint(0, 10, (batch,), generator=generator)
+    return measure_training_step(net, features, labels).peak_bytes
+
+
+# -- the seed's arithmetic -------------------------------------------------------------
+
+def test_max_parameters_reproduces_the_seeds_worked_example():
+    # 6 GiB less a 400 MiB buffer, parameters and momentum only, 4 bytes per float.
+    seed = max_parameters("6GiB", "float", Nesterovs(), reserved_bytes="400MiB", gradients=False)
+    assert seed == 752_877_568 == (6 * 2**30 - 400 * 2**20) // 8
+    # Training also holds a gradient per parameter: a third, not a half, of the memory each.
+    assert max_parameters(6 * 2**30, "float", Nesterovs(), reserved_bytes=400 * 2**20) == 501_918_378
+
+
+def test_bytes_per_parameter_follow_the_precision_and_the_updater():
+    assert bytes_per_parameter("float", Sgd(), gradients=False) == 4
+    assert bytes_per_parameter("float", Adam()) == 16  # value, gradient, two moments
+    assert bytes_per_parameter("double", Nesterovs()) == 24
+    # bfloat16 values with float32 masters, float32 gradients and momentum: 2 + 4 + 4 + 4.
+    assert bytes_per_parameter("bfloat16", Nesterovs()) == 14
+    assert max_parameters("1GiB", "float", Sgd(), gradients=False) == 2**28
+
+
+def test_max_parameters_rejects_a_reserve_larger_than_the_memory():
+    with pytest.raises(ConfigError, match="reserved_bytes"):
+        max_parameters("1GiB", reserved_bytes="2GiB")
+    with pytest.raises(ConfigError, match="memory_bytes.*not a size"):
+        max_parameters("lots")
+
+
+# -- the estimate against measured steps -----------------------------------------------
+
+@pytest.mark.parametrize("precision", ["float", "bfloat16"])
+@pytest.mark.parametrize("batch", [32, 128, 512, 1024])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_estimate_is_within_10_percent_of_the_measured_peak(name, batch, precision):
+    config = MODELS[name]
+    measured = _measured(config, batch, precision)
+    estimated = estimate(config, batch, precision, device="cpu").peak_bytes
+    assert abs(estimated / measured - 1) <= 0.10, (name, batch, precision, estimated, measured)
+
+
+@pytest.mark.parametrize("kernel", ["loop", "foreach", "fused"])
+@pytest.mark.parametrize("updater", [Sgd(learning_rate=0.1), Nesterovs(), Adam(), AdamW()], ids=lambda u: type(u).__name__)
+def test_each_update_implementation_is_estimated(updater, kernel, monkeypatch):
+    # Small batches of a wide MLP: the update's scratch tensors decide the peak.
+    config = _mlp(1500, updater, l2=0.0 if isinstance(updater, AdamW) else 5e-4)
+    import dl4py.nn.network as network_module
+
+    real = network_module.make_optimizer
+    monkeypatch.setattr(network_module, "make_optimizer", lambda u, groups, *a, **k: real(u, groups, kernel))
+    measured = _measured(config, 16, "float")
+    estimated = estimate(config, 16, "float", device="cpu", optimizer=kernel).peak_bytes
+    assert abs(estimated / measured - 1) <= 0.10, (kernel, estimated, measured)
+
+
+@pytest.mark.parametrize("precision", ["double", "mixed-bf16"])
+def test_other_precisions_are_estimated(precision):
+    for config, batch in ((LENET, 256), (_mlp(1500), 64)):
+        measured = _measured(config, batch, precision)
+        estimated = estimate(config, batch, precision, device="cpu").peak_bytes
+        assert abs(estimated / measured - 1) <= 0.10, (precision, estimated, measured)
+
+
+def test_inference_needs_no_gradients_and_is_estimated():
+    net = MultiLayerNetwork(VGG, backend="cpu").init()
+    features = torch.rand(256, 784)
+    tracker = LiveTensorBytes()
+    tracker.track(list(net.module.parameters()) + list(net.module.buffers()) + [features])
+    with torch.no_grad(), tracker:
+        net.module.eval()(features)
+    report = estimate(VGG, 256, "float", training=False, device="cpu")
+    assert report.gradient_bytes == report.updater_bytes == report.activation_bytes == 0
+    # Labels are not part of inference; they are a few bytes per example in the estimate.
+    assert abs(report.peak_bytes / tracker.peak - 1) <= 0.10
+    assert report.peak_bytes < estimate(VGG, 256, "float", device="cpu").peak_bytes
+
+
+def test_report_parts_add_up_and_name_the_peak():
+    report = estimate(LENET, 128, "float", device="cuda")
+    assert report.parameters == 431_080
+    assert report.parameter_bytes == 4 * 431_080
+    assert report.updater_bytes == report.gradient_bytes == 4 * 431_080  # Nesterov: one copy
+    assert sum(report.at_peak.values()) == report.peak_bytes
+    assert report.peak_phase.startswith("backward, layer 1 (max_pool2d)")
+    assert [row.index for row in report.layers] == list(range(6))
+    assert sum(row.parameters for row in report.layers) == report.parameters
+    # On a GPU: the context and cuBLAS' workspace on top, and 512-byte blocks.
+    assert report.total_bytes == report.peak_bytes + report.fixed["cuda_context"] + report.fixed["cublas_workspace"]
+    assert report.peak_bytes % 512 == 0
+    assert json.loads(json.dumps(report.to_dict()))["total_bytes"] == report.total_bytes
+
+
+def test_max_batch_size_is_the_largest_that_fits():
+    budget = 300 * 2**20
+    largest = max_batch_size(VGG, budget, "float", device="cpu")
+    assert estimate(VGG, largest, "float", device="cpu").total_bytes <= budget
+    assert estimate(VGG, largest + 1, "float", device="cpu").total_bytes > budget
+    # bfloat16 halves the activations, so a larger batch fits the same memory.
+    assert max_batch_size(VGG, budget, "bfloat16", device="cpu") > 1.5 * largest
+    assert max_batch_size(VGG, 2**20, "float", device="cpu") == 0  # not even one example
+    # On a GPU the CUDA context comes out of the card's memory first.
+    assert max_batch_size(VGG, "600MiB", "float", device="cuda") < max_batch_size(VGG, "600MiB", "float", device="cpu")
+
+
+def test_estimate_rejects_bad_input_clearly():
+    with pytest.raises(ConfigError, match="batch_size"):
+        estimate(LENET, 0)
+    with pytest.raises(ConfigError, match="optimizer"):
+        estimate(LENET, 8, optimizer="turbo")
+    with pytest.raises(TypeError, match="NetworkConfig or RunConfig"):
+        estimate({"layers": []}, 8)
+
+
+# -- the command and batch_size: auto --------------------------------------------------
+
+def test_memory_command_says_whether_it_fits(capsys):
+    assert main(["memory", str(LENET_YAML), "--device-memory", "6GiB", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["fits"] is True and answer["batch_size"] == 128
+    assert answer["largest_batch_size"] == max_batch_size(LENET, "6GiB", "float", device="cuda")
+    assert main(["memory", str(LENET_YAML), "--device-memory", "500MiB", "--batch-size", "64"]) == 0
+    text = capsys.readouterr().out
+    assert "DOES NOT FIT" in text and "cuda context" in text  # 512 MiB of context alone
+    assert "convolution" in text and "subsampling" in text  # the per-layer table
+
+
+def test_memory_command_errors_name_the_argument(capsys):
+    assert main(["memory", str(LENET_YAML), "--device-memory", "eighty"]) == 2
+    assert "--device-memory" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["memory", str(LENET_YAML), "--device", "cuda:0"]) == 2
+        assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_batch_size_auto_trains_with_the_largest_batch_that_fits(tmp_path, mnist, monkeypatch):
+    from dl4py.memory import DeviceMemory
+    from dl4py.memory import auto as auto_module
+    from dl4py.runner import train_run
+
+    budget = 60 * 2**20  # a small "device", so memory, not the data set, limits the batch
+    monkeypatch.setattr(auto_module, "device_memory",
+                        lambda device: DeviceMemory(budget, "a 60 MiB test budget", "cpu", False))
+    config = RunConfig.from_file(LENET_YAML).with_overrides(
+        ["training.batch_size=auto", "data.limit_train=4096", "data.limit_test=256", "training.score_every=0"])
+    result = train_run(config, output=tmp_path / "run", progress=False)
+    chosen = RunConfig.from_file(tmp_path / "run" / "config.yaml").training.batch_size
+    assert chosen == result["batch_size"] == max_batch_size(config, budget, "float", device="cpu", margin=0.15)
+    assert 100 < chosen < 4096
+    assert estimate(config, chosen, device="cpu").total_bytes <= 0.85 * budget
+    with pytest.raises(ConfigError, match="batch_size"):
+        config.with_overrides(["training.batch_size=big"])
