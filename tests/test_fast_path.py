@@ -159,6 +159,10 @@ def test_auto_rule_keeps_data_on_a_gpu_that_has_room(monkeypatch):
     assert device_data.dataset_fits(250, "cuda:0", free_bytes=int(250 / quarter))
     assert not device_data.dataset_fits(251, "cuda:0", free_bytes=int(250 / quarter))
     assert device_data.dataset_fits(10**15, "cpu")  # host memory: the data is there already
+    # With the memory estimator's figure for the step, data and step share 85% of the free memory.
+    share = device_data.DEVICE_DATA_WITH_ESTIMATE
+    assert device_data.dataset_fits(600, "cuda:0", free_bytes=1000, step_bytes=int(1000 * share) - 600)
+    assert not device_data.dataset_fits(600, "cuda:0", free_bytes=1000, step_bytes=int(1000 * share) - 599)
     x, y = toy(100)  # 100 * 5 * 4 + 100 * 8 = 2800 bytes
     it = ArrayDataSetIterator(x, y, batch_size=10)
     assert device_data.data_bytes(it) == 2800

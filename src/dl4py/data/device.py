@@ -21,21 +21,30 @@ from dl4py.errors import DataError
 
 __all__ = ["DeviceDataSetIterator", "dataset_fits", "use_device_data"]
 
-# Share of the free device memory a data set may take under ``device_data: auto``; the rest
-# is for the network's parameters, activations and the allocator's cache.
+# Share of the free device memory a data set may take under ``device_data: auto`` when the
+# training step's own needs are unknown (a TorchModel); the rest is for its activations.
 DEVICE_DATA_FRACTION = 0.25
+# With the step's needs estimated (dl4py.memory), data and step may take this share together;
+# the rest covers what the estimate leaves out (fragmentation, cuDNN workspaces).
+DEVICE_DATA_WITH_ESTIMATE = 0.85
 
 
-def dataset_fits(nbytes: int, device, free_bytes: int | None = None) -> bool:
-    """Whether ``nbytes`` of data may be kept on ``device``: at most DEVICE_DATA_FRACTION of its
-    free memory (``free_bytes``, by default what CUDA reports now, within any memory cap).
-    A CPU "device" is host memory, where the data already is: always True."""
+def dataset_fits(nbytes: int, device, free_bytes: int | None = None, step_bytes: int | None = None) -> bool:
+    """Whether ``nbytes`` of data may be kept on ``device`` beside training.
+
+    ``step_bytes``: what the memory estimator says a training step needs on top of the
+    parameters already there; data and step must then fit in DEVICE_DATA_WITH_ESTIMATE of
+    the free memory. Without it, the data may take DEVICE_DATA_FRACTION. ``free_bytes``
+    defaults to what CUDA reports now, within any memory cap. A CPU "device" is host
+    memory, where the data already is: always True."""
     device = torch.device(device)
     if device.type != "cuda":
         return True
     if free_bytes is None:
         free_bytes = _free_bytes(device)
-    return nbytes <= DEVICE_DATA_FRACTION * free_bytes
+    if step_bytes is None:
+        return nbytes <= DEVICE_DATA_FRACTION * free_bytes
+    return nbytes + step_bytes <= DEVICE_DATA_WITH_ESTIMATE * free_bytes
 
 
 def _free_bytes(device: torch.device) -> int:
@@ -62,11 +71,12 @@ def data_bytes(iterator: ArrayDataSetIterator) -> int:
     return sum(t.numel() * t.element_size() for t in (iterator.features, iterator.labels))
 
 
-def use_device_data(setting: str, iterator, device: torch.device) -> bool:
+def use_device_data(setting: str, iterator, device: torch.device, step_bytes: int | None = None) -> bool:
     """The environment's ``device_data`` for this iterator and device.
 
-    ``auto``: on for an in-memory iterator on CUDA when ``dataset_fits``; ``on``: on for any
-    device, a DataError for an iterator that is not in memory; ``off``: never.
+    ``auto``: on for an in-memory iterator on CUDA when ``dataset_fits`` (with the step's
+    estimated ``step_bytes``); ``on``: on for any device, a DataError for an iterator that
+    is not in memory; ``off``: never.
     """
     if setting == "off" or isinstance(iterator, DeviceDataSetIterator):
         return False
@@ -78,7 +88,8 @@ def use_device_data(setting: str, iterator, device: torch.device) -> bool:
                 "copied to the device; set device_data to auto (its batches are then prefetched) or off"
             )
         return False
-    return setting == "on" or (device.type == "cuda" and dataset_fits(data_bytes(iterator), device))
+    return setting == "on" or (device.type == "cuda" and dataset_fits(data_bytes(iterator), device,
+                                                                      step_bytes=step_bytes))
 
 
 class DeviceDataSetIterator(DataSetIterator):

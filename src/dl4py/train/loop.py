@@ -139,12 +139,24 @@ def data_source(model, iterator):
     if cached is not None and cached.copies(iterator) and cached.device == device and env.device_data != "off":
         return cached  # kept from an earlier fit (early stopping fits one epoch at a time)
     model._device_data = None  # the old copy goes before a new one is made
-    if use_device_data(env.device_data, iterator, device):
+    if use_device_data(env.device_data, iterator, device, _step_bytes(model, iterator)):
         model._device_data = DeviceDataSetIterator(iterator, device)
         return model._device_data
     if device.type == "cuda":
         return PrefetchIterator(iterator, device, pin=env.pinned_memory)
     return iterator
+
+
+def _step_bytes(model, iterator) -> int | None:
+    """The memory estimator's answer for a step of this model and batch size, less the
+    parameters already on the device; None where it cannot say (a TorchModel)."""
+    config, batch = getattr(model, "config", None), getattr(iterator, "batch_size", None)
+    if model.backend.device.type != "cuda" or config is None or not isinstance(batch, int):
+        return None
+    from dl4py.memory import estimate
+
+    report = estimate(config, batch, model.precision.name, device="cuda")
+    return report.peak_bytes - report.parameter_bytes
 
 
 def check_finite(model, loss_sum: torch.Tensor, epoch: int) -> None:
