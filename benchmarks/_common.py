@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import platform
 import sys
@@ -68,16 +67,9 @@ def hand_written_optimizer(module: nn.Module, config: dl4py.NetworkConfig, forea
     )
 
 
-@contextlib.contextmanager
 def settings(**values):
     """dl4py environment settings for a block; models built inside keep what they read."""
-    env = dl4py.environment()
-    before = {name: getattr(env, name) for name in values}
-    env.update(**values)
-    try:
-        yield env
-    finally:
-        env.update(**before)
+    return dl4py.environment().temporarily(**values)
 
 
 def machine(device: torch.device) -> dict:

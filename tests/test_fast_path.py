@@ -3,7 +3,6 @@ multi-tensor optimizers, channels_last. Each must give the results of the plain 
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import zipfile
@@ -40,16 +39,8 @@ from dl4py.nn.serialization import model_bytes
 from toy import mlp, toy
 
 
-@contextlib.contextmanager
 def settings(**values):
-    """Environment settings for the duration of a block (the process environment is shared)."""
-    env = environment()
-    before = {name: getattr(env, name) for name in values}
-    env.update(**values)
-    try:
-        yield env
-    finally:
-        env.update(**before)
+    return environment().temporarily(**values)
 
 
 def params(model) -> list[torch.Tensor]:

@@ -14,6 +14,7 @@ a silent no-op. The process-wide instance applies every change at once, like DL4
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -259,6 +260,21 @@ class Environment:
         """Set several settings at once (all validated before any is applied)."""
         self._set([(name, value, "code", name) for name, value in settings.items()])
         return self
+
+    @contextlib.contextmanager
+    def temporarily(self, **settings: Any):
+        """These settings for a ``with`` block, then the previous values again. Models built
+        inside keep what they read::
+
+            with dl4py.environment().temporarily(fused_optimizer="off"):
+                net = MultiLayerNetwork(conf).init()
+        """
+        before = {name: getattr(self, name) for name in settings}
+        self.update(**settings)
+        try:
+            yield self
+        finally:
+            self.update(**before)
 
     def update_from_config(self, config: Any, where: str = "environment") -> "Environment":
         """Merge a config's ``environment`` section: its non-null fields override, nulls leave alone."""

@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 
 from dl4py.data.dataset import DataSet
-from dl4py.data.iterators import ArrayDataSetIterator, DataSetIterator
+from dl4py.data.iterators import ArrayDataSetIterator, WrappedIterator
 from dl4py.errors import DataError
 
 __all__ = ["DeviceDataSetIterator", "dataset_fits", "use_device_data"]
@@ -92,7 +92,7 @@ def use_device_data(setting: str, iterator, device: torch.device, step_bytes: in
                                                                       step_bytes=step_bytes))
 
 
-class DeviceDataSetIterator(DataSetIterator):
+class DeviceDataSetIterator(WrappedIterator):
     """``iterator``'s features and labels copied once to ``device``; its batches cut there.
 
     The epoch counter stays the wrapped iterator's, so both give the same order whichever
@@ -109,9 +109,8 @@ class DeviceDataSetIterator(DataSetIterator):
                 f"DeviceDataSetIterator needs an in-memory ArrayDataSetIterator (MNIST, CSV, arrays), "
                 f"got {type(iterator).__name__}"
             )
-        self.iterator = iterator
+        super().__init__(iterator)
         self.device = torch.device(device)
-        self.batch_size = iterator.batch_size
         self._sources = (iterator.features, iterator.labels)
         self.features = iterator.features.to(self.device)
         self.labels = iterator.labels.to(self.device)
@@ -120,24 +119,6 @@ class DeviceDataSetIterator(DataSetIterator):
         """Whether this is a copy of ``iterator``'s current tensors."""
         return (self.iterator is iterator and self._sources[0] is iterator.features
                 and self._sources[1] is iterator.labels)
-
-    def __len__(self) -> int:
-        return len(self.iterator)
-
-    def total_examples(self) -> int:
-        return self.iterator.total_examples()
-
-    def num_classes(self) -> int | None:
-        return self.iterator.num_classes()
-
-    def input_shape(self) -> tuple[int, ...]:
-        return self.iterator.input_shape()
-
-    def set_epoch(self, epoch: int) -> None:
-        self.iterator.set_epoch(epoch)
-
-    def _take_epoch(self) -> int:
-        return self.iterator._take_epoch()
 
     def __iter__(self) -> Iterator[DataSet]:
         it = self.iterator

@@ -59,6 +59,34 @@ class DataSetIterator:
         return epoch
 
 
+class WrappedIterator(DataSetIterator):
+    """An iterator over another's batches (moved to a device, say): sizes, classes, shape
+    and the epoch counter are the wrapped iterator's, so both give the same order."""
+
+    def __init__(self, iterator):
+        self.iterator = iterator
+        self.batch_size = getattr(iterator, "batch_size", None)
+
+    def __len__(self) -> int:
+        return len(self.iterator)
+
+    def total_examples(self) -> int:
+        return self.iterator.total_examples()
+
+    def num_classes(self) -> int | None:
+        return self.iterator.num_classes()
+
+    def input_shape(self) -> tuple[int, ...]:
+        return self.iterator.input_shape()
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.iterator, "set_epoch"):
+            self.iterator.set_epoch(epoch)
+
+    def _take_epoch(self) -> int:
+        return self.iterator._take_epoch()
+
+
 class ArrayDataSetIterator(DataSetIterator):
     """Batches over features and labels held in memory.
 

@@ -15,7 +15,7 @@ from typing import Iterator
 import torch
 
 from dl4py.data.dataset import DataSet
-from dl4py.data.iterators import DataSetIterator
+from dl4py.data.iterators import WrappedIterator
 
 __all__ = ["PrefetchIterator", "copy_to_device", "wait_for_copy"]
 
@@ -52,7 +52,7 @@ def wait_for_copy(batch: DataSet, event: torch.cuda.Event | None, device: torch.
     return batch
 
 
-class PrefetchIterator(DataSetIterator):
+class PrefetchIterator(WrappedIterator):
     """``iterator``'s batches on ``device``, each copied ``depth`` batches before it is used.
 
     Single-threaded: the copies are asynchronous, so issuing them early is enough for them to
@@ -60,18 +60,10 @@ class PrefetchIterator(DataSetIterator):
     """
 
     def __init__(self, iterator, device, pin: bool = True, depth: int = PREFETCH_DEPTH):
-        self.iterator = iterator
+        super().__init__(iterator)
         self.device = torch.device(device)
         self.pin = pin
         self.depth = depth
-        self.batch_size = getattr(iterator, "batch_size", None)
-
-    def __len__(self) -> int:
-        return len(self.iterator)
-
-    def set_epoch(self, epoch: int) -> None:
-        if hasattr(self.iterator, "set_epoch"):
-            self.iterator.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[DataSet]:
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -82,12 +74,3 @@ class PrefetchIterator(DataSetIterator):
                 yield wait_for_copy(*pending.popleft(), self.device)
         while pending:
             yield wait_for_copy(*pending.popleft(), self.device)
-
-    def total_examples(self) -> int:
-        return self.iterator.total_examples()
-
-    def num_classes(self) -> int | None:
-        return self.iterator.num_classes()
-
-    def input_shape(self) -> tuple[int, ...]:
-        return self.iterator.input_shape()
