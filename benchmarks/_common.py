@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import dl4py  # noqa: E402
 from dl4py import RunConfig  # noqa: E402
+from dl4py.io import atomic_write_json, atomic_write_text  # noqa: E402
 
 
 def parser(doc: str) -> argparse.ArgumentParser:
@@ -94,8 +94,8 @@ def machine(device: torch.device) -> dict:
 
 def write(out: Path, stem: str, result: dict, markdown: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / f"{stem}.md").write_text("\n".join(markdown) + "\n")
+    atomic_write_json(out / f"{stem}.json", result)
+    atomic_write_text(out / f"{stem}.md", "\n".join(markdown) + "\n")
     print("\n".join(markdown))
     print(f"\nwritten: {out / stem}.json, {out / stem}.md", file=sys.stderr)
 

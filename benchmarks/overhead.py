@@ -184,7 +184,7 @@ def main() -> None:
         "samples_per_second": {k: data.total_examples() / v for k, v in median.items()},
         "ratio_to_hand_written": {k: v / base for k, v in median.items()},
         "lightning_fit_setup_seconds": statistics.median(fit_seconds) if fit_seconds else None,
-        "lightning": lightning_note or "Trainer(barebones=True), one fit per epoch",
+        "lightning_loop": lightning_note or "Trainer(barebones=True), one fit per epoch",
     }
     lines = heading(
         f"Training-loop overhead: seed LeNet, batch {batch}, {data.total_examples()} examples/epoch, "

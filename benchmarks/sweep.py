@@ -13,7 +13,6 @@ Writes sweep-<device>.json and .md to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -25,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from dl4py import sweep  # noqa: E402
+from dl4py.io import atomic_write_json, atomic_write_text  # noqa: E402
 from dl4py.sweep.slots import available_cpus  # noqa: E402
 
 RATES = [0.005, 0.01, 0.02, 0.04]
@@ -52,7 +52,8 @@ def main() -> None:
                                output=Path(folder) / f"k{k}", progress=False)
             wall = time.perf_counter() - started
             if result.counts["completed"] != len(RATES):
-                raise SystemExit(f"--per-device {k}: {result.counts}; see {result.sweep_dir}")
+                failed = "; ".join(f"{r['experiment']}: {r.get('error')}" for r in result.failed)
+                raise SystemExit(f"--per-device {k}: {result.counts}; {failed}")
             rows.append({"per_device": k, "wall_seconds": wall,
                          "mean_experiment_seconds": sum(r["seconds"] for r in result.rows) / len(result.rows),
                          "best_test_accuracy": result.best["test_accuracy"]})
@@ -66,7 +67,7 @@ def main() -> None:
               "examples_per_run": args.examples, "epochs": args.epochs, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"sweep-{'gpu' if gpu else 'cpu'}"
-    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    atomic_write_json(args.out / f"{stem}.json", result)
     lines = [
         f"# dl4py sweep, 4 seed-LeNet runs on one device: {device}, torch {torch.__version__}",
         "",
@@ -78,7 +79,7 @@ def main() -> None:
         *(f"| {r['per_device']} | {r['wall_seconds']:.1f} | {r['mean_experiment_seconds']:.1f} | "
           f"{r['vs_one_at_a_time']:.2f}x |" for r in rows),
     ]
-    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    atomic_write_text(args.out / f"{stem}.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

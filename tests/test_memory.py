@@ -176,9 +176,28 @@ def test_memory_command_says_whether_it_fits(capsys):
     assert "convolution" in text and "subsampling" in text  # the per-layer table
 
 
+def test_memory_command_follows_the_configs_environment(tmp_path, capsys):
+    # The config's fused_optimizer decides the update's scratch, and so the peak.
+    mlp = RunConfig.from_file(ROOT / "examples" / "mlp_4000.yaml")
+    peaks = {}
+    for setting in ("on", "off"):
+        path = tmp_path / f"mlp-{setting}.yaml"
+        path.write_text(mlp.with_overrides([f"environment.fused_optimizer={setting}"]).to_yaml())
+        assert main(["memory", str(path), "--device", "cpu", "--batch-size", "32", "--json"]) == 0
+        peaks[setting] = json.loads(capsys.readouterr().out)["peak_bytes"]
+    assert peaks["off"] > 1.4 * peaks["on"]  # the for-loop's two 64 MB copies of the largest weight
+    from dl4py.backend.cuda_environment import environment
+
+    environment().update(fused_optimizer="auto")  # the command set it for this process
+
+
 def test_memory_command_errors_name_the_argument(capsys):
     assert main(["memory", str(LENET_YAML), "--device-memory", "eighty"]) == 2
     assert "--device-memory" in capsys.readouterr().err
+    assert main(["memory", str(LENET_YAML), "--device", "tpu:7"]) == 2
+    assert "--device" in capsys.readouterr().err
+    assert main(["memory", str(LENET_YAML), "--batch-size", "0", "--device-memory", "1GB"]) == 2
+    assert "batch_size" in capsys.readouterr().err
     if not torch.cuda.is_available():
         assert main(["memory", str(LENET_YAML), "--device", "cuda:0"]) == 2
         assert "CUDA is not available" in capsys.readouterr().err
@@ -199,5 +218,10 @@ def test_batch_size_auto_trains_with_the_largest_batch_that_fits(tmp_path, mnist
     assert chosen == result["batch_size"] == max_batch_size(config, budget, "float", device="cpu", margin=0.15)
     assert 100 < chosen < 4096
     assert estimate(config, chosen, device="cpu").total_bytes <= 0.85 * budget
+    # Resuming keeps the recorded batch, whatever memory is free now.
+    budget = 30 * 2**20
+    resumed = train_run(config.with_overrides(["training.epochs=2"]), output=tmp_path / "run", resume=True,
+                        progress=False)
+    assert resumed["batch_size"] == chosen and resumed["epochs"] == 2
     with pytest.raises(ConfigError, match="batch_size"):
         config.with_overrides(["training.batch_size=big"])

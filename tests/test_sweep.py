@@ -137,6 +137,11 @@ def test_slots_divide_the_cores_and_hide_gpus_from_cpu_slots():
     gpus = make_slots([0, 1], 2, cpus=16, environ={"CUDA_VISIBLE_DEVICES": "4,6"})
     assert [(s.name, s.visible, s.threads) for s in gpus] == [
         ("gpu0#0", "4", 4), ("gpu1#0", "6", 4), ("gpu0#1", "4", 4), ("gpu1#1", "6", 4)]
+    # K experiments on one GPU: each capped at 1/K of it, unless the caller set a cap.
+    assert gpus[0].environ({})["DL4PY_MAX_DEVICE_CACHE"] == "0.5000"
+    assert gpus[0].environ({"DL4PY_MAX_DEVICE_CACHE": "2GB"})["DL4PY_MAX_DEVICE_CACHE"] == "2GB"
+    assert "DL4PY_MAX_DEVICE_CACHE" not in make_slots([0], 1, cpus=4)[0].environ({})
+    assert "DL4PY_MAX_DEVICE_CACHE" not in env  # CPU slots: no device memory to share
     with pytest.raises(ConfigError, match="--per-device"):
         make_slots(None, 0)
 

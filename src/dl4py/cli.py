@@ -178,9 +178,18 @@ def _memory(args) -> int:
     from dl4py.memory.capacity import device_memory, fixed_budget
     from dl4py.memory.report import format_report, verdict
 
+    from dl4py.backend.cuda_environment import environment
+    from dl4py.errors import ConfigError
+
     config = RunConfig.from_file(args.config)
-    device = torch.device(args.device or "cuda")
-    batch = args.batch_size or config.training.batch_size
+    environment().update_from_config(config.environment)  # e.g. fused_optimizer decides the update's scratch
+    try:
+        device = torch.device(args.device or "cuda")
+    except RuntimeError:
+        raise ConfigError("--device", f"must be cpu, cuda or cuda:N, got {args.device!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError("--device", f"must be cpu, cuda or cuda:N, got {args.device!r}")
+    batch = args.batch_size if args.batch_size is not None else config.training.batch_size
     if batch == "auto":
         batch = None
     if args.device_memory:

@@ -122,7 +122,7 @@ def train_run(
         model = load(checkpoint, backend=config.training.backend, precision=config.training.precision)
         log.info("resuming %s at epoch %d, iteration %d", run_dir, model.epoch_count, model.iteration_count)
     model.init()
-    config = _resolve_batch_size(config, model)
+    config = _resolve_batch_size(config, model, run_dir if resume else None)
     atomic_write_text(run_dir / "config.yaml", config.to_yaml())
     atomic_write_json(run_dir / "environment.json", environment_record(model))
 
@@ -160,11 +160,15 @@ def train_run(
     return result
 
 
-def _resolve_batch_size(config: RunConfig, model) -> RunConfig:
-    """``batch_size: auto`` becomes the largest batch that fits the model's device; the run
-    records the number it chose, so a resumed run keeps it."""
+def _resolve_batch_size(config: RunConfig, model, resumed_dir: Path | None = None) -> RunConfig:
+    """``batch_size: auto`` becomes the largest batch that fits the model's device. The run
+    records the number it chose, and a resumed run keeps it: free memory may differ now,
+    and a checkpoint taken mid-epoch counts batches of the recorded size."""
     if config.training.batch_size != "auto":
         return config
+    if resumed_dir is not None:
+        recorded = RunConfig.from_file(resumed_dir / "config.yaml").training.batch_size
+        return config.with_overrides([f"training.batch_size={recorded}"])
     from dl4py.memory.auto import auto_batch_size
 
     probe, _ = make_iterators(config.data, 1, config.network.input_type.example_shape())

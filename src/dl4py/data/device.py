@@ -48,15 +48,9 @@ def dataset_fits(nbytes: int, device, free_bytes: int | None = None, step_bytes:
 
 
 def _free_bytes(device: torch.device) -> int:
-    from dl4py.backend.cuda_environment import device_cache_limit, environment
+    from dl4py.memory.capacity import device_memory
 
-    free, total = torch.cuda.mem_get_info(device)
-    cap = environment().max_device_cache
-    if cap is not None:  # a per-process cap leaves less than the device has free
-        kind, amount = device_cache_limit(cap)
-        limit = amount * total if kind == "fraction" else amount
-        free = min(free, max(int(limit) - torch.cuda.memory_reserved(device), 0))
-    return int(free)
+    return device_memory(device).bytes  # free CUDA memory, within any max_device_cache
 
 
 def holds_arrays(iterator) -> bool:

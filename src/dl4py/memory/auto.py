@@ -1,8 +1,9 @@
 """``batch_size: auto``: the largest batch the estimate says fits the model's device.
 
 The budget is the device's memory as the process sees it when training starts: free CUDA
-memory plus what this process already holds (the estimate counts the parameters itself),
-or the RAM available, shared between CPU workers. A margin stays free for what the
+memory within any ``max_device_cache``, plus what this process already holds (the
+estimate counts the parameters itself), or the RAM available; parallel workers placed on
+the same device share it. A margin stays free for what the
 estimate leaves out (allocator fragmentation, cuDNN's workspaces). The training set is
 counted as device-resident where it may be kept there, and the batch never exceeds it.
 """
@@ -28,8 +29,8 @@ def auto_batch_size(config, device: torch.device, train_examples: int, example_b
     budget = memory.bytes
     if device.type == "cuda":
         budget += torch.cuda.memory_allocated(device)
-    elif workers > 1:  # CPU workers share the machine's memory
-        budget //= workers
+    if workers > 1:  # workers on one device share it (each with its own CUDA context)
+        budget //= _workers_per_device(device, workers)
     data_bytes = train_examples * example_bytes if device.type == "cuda" and _data_may_live_on(device) else 0
     largest = max_batch_size(config, budget, config.training.precision, device=device.type, margin=margin,
                              context=memory.context_included, data_bytes=data_bytes)
@@ -44,6 +45,14 @@ def auto_batch_size(config, device: torch.device, train_examples: int, example_b
            f"{margin:.0%} margin is {largest:,} ({memory.source})")
     log.info(why)
     return chosen, why
+
+
+def _workers_per_device(device: torch.device, workers: int) -> int:
+    if device.type != "cuda":
+        return workers  # CPU workers share the machine's memory
+    from dl4py.backend.cuda_environment import environment
+
+    return -(-workers // max(len(environment().usable_cuda_devices()), 1))  # placed round-robin over the GPUs
 
 
 def _data_may_live_on(device: torch.device) -> bool:

@@ -110,7 +110,11 @@ def device_memory(device: str | torch.device) -> DeviceMemory:
             raise BackendError(f"device cuda:{index} does not exist: {torch.cuda.device_count()} CUDA device(s) visible")
         free, total = torch.cuda.mem_get_info(index)
         name = torch.cuda.get_device_name(index)
-        return DeviceMemory(free, f"cuda:{index} ({name}): {free:,} of {total:,} bytes free", "cuda", False)
+        source = f"cuda:{index} ({name}): {free:,} of {total:,} bytes free"
+        capped = _within_cache_limit(free, total, index)
+        if capped < free:
+            source += f", {capped:,} within max_device_cache"
+        return DeviceMemory(capped, source, "cuda", False)
     if device.type == "cpu":
         available = _available_ram()
         return DeviceMemory(available, f"cpu: {available:,} bytes of RAM available", "cpu", False)
@@ -121,6 +125,18 @@ def fixed_budget(size: int | str, device_type: str = "cuda") -> DeviceMemory:
     """A device's total memory given as a size (``80GB``): the CUDA context comes out of it."""
     memory = parse_size(size, "--device-memory")
     return DeviceMemory(memory, f"{memory:,} bytes given", device_type, device_type == "cuda")
+
+
+def _within_cache_limit(free: int, total: int, index: int) -> int:
+    """Free bytes this process may still take under the environment's max_device_cache."""
+    from dl4py.backend.cuda_environment import device_cache_limit, environment
+
+    cap = environment().max_device_cache
+    if cap is None:
+        return free
+    kind, amount = device_cache_limit(cap)
+    limit = amount * total if kind == "fraction" else amount
+    return int(min(free, max(int(limit) - torch.cuda.memory_reserved(index), 0)))
 
 
 def _available_ram() -> int:

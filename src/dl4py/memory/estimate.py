@@ -82,8 +82,7 @@ class MemoryReport:
         data = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "layers"}
         data.update(workspace_bytes=self.workspace_bytes, fixed_bytes=self.fixed_bytes,
                     total_bytes=self.total_bytes)
-        data["layers"] = [vars(row) if not hasattr(row, "__dataclass_fields__") else
-                          {k: getattr(row, k) for k in row.__dataclass_fields__} for row in self.layers]
+        data["layers"] = [dict(vars(row)) for row in self.layers]
         return data
 
 

@@ -25,6 +25,7 @@ class Slot:
     index: int  # which of the device's slots
     threads: int
     visible: str = ""  # the CUDA_VISIBLE_DEVICES entry naming the device
+    share: int = 1  # experiments sharing the device at once (--per-device)
 
     @property
     def name(self) -> str:
@@ -40,6 +41,10 @@ class Slot:
         # The slot is the device list; a DL4PY_DEVICES meant for the sweep's view of the
         # GPUs would name indices that no longer exist inside the experiment.
         env.pop("DL4PY_DEVICES", None)
+        if self.device is not None and self.share > 1 and "DL4PY_MAX_DEVICE_CACHE" not in env:
+            # Each of the K experiments on a GPU may take 1/K of it: one cannot starve the
+            # others, and batch_size auto sizes for its share (a config's own cap wins).
+            env["DL4PY_MAX_DEVICE_CACHE"] = f"{1 / self.share:.4f}"
         for var in THREAD_VARS:
             env[var] = str(self.threads)
         env["PYTHONUNBUFFERED"] = "1"  # the log shows the last line even after a kill
@@ -105,5 +110,5 @@ def make_slots(devices: list[int] | None, per_device: int, cpus: int | None = No
     for k in range(per_device):
         for device in gpus:
             name = "" if device is None else (entries[device] if entries else str(device))
-            slots.append(Slot(device, k, threads, name))
+            slots.append(Slot(device, k, threads, name, per_device))
     return slots
