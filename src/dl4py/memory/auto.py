@@ -31,7 +31,7 @@ def auto_batch_size(config, device: torch.device, train_examples: int, example_b
         budget += torch.cuda.memory_allocated(device)
     if workers > 1:  # workers on one device share it (each with its own CUDA context)
         budget //= _workers_per_device(device, workers)
-    data_bytes = train_examples * example_bytes if device.type == "cuda" and _data_may_live_on(device) else 0
+    data_bytes = train_examples * example_bytes if device.type == "cuda" and _data_may_live_on_device() else 0
     largest = max_batch_size(config, budget, config.training.precision, device=device.type, margin=margin,
                              context=memory.context_included, data_bytes=data_bytes)
     if largest == 0:
@@ -55,7 +55,7 @@ def _workers_per_device(device: torch.device, workers: int) -> int:
     return -(-workers // max(len(environment().usable_cuda_devices()), 1))  # placed round-robin over the GPUs
 
 
-def _data_may_live_on(device: torch.device) -> bool:
+def _data_may_live_on_device() -> bool:
     from dl4py.backend.cuda_environment import environment
 
-    return getattr(environment(), "device_data", "off") != "off"
+    return environment().device_data != "off"

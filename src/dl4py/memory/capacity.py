@@ -71,9 +71,7 @@ def max_batch_size(
     budget = parse_size(memory_bytes, "memory_bytes") * (1 - margin)
 
     def fits(batch: int) -> bool:
-        report = estimate(config, batch, precision, updater, device=device, **options)
-        needed = report.total_bytes - (0 if context else report.fixed.get("cuda_context", 0))
-        return needed <= budget
+        return estimate(config, batch, precision, updater, device=device, **options).needed_bytes(context) <= budget
 
     if not fits(1):
         return 0

@@ -78,6 +78,11 @@ class MemoryReport:
     def total_bytes(self) -> int:
         return self.peak_bytes + self.fixed_bytes
 
+    def needed_bytes(self, context_included: bool = True) -> int:
+        """What the step needs of a budget: the CUDA context only if it is still to come out
+        of it (a card's total memory), not when the budget is free memory read afterwards."""
+        return self.total_bytes - (0 if context_included else self.fixed.get("cuda_context", 0))
+
     def to_dict(self) -> dict:
         data = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "layers"}
         data.update(workspace_bytes=self.workspace_bytes, fixed_bytes=self.fixed_bytes,

@@ -10,15 +10,10 @@ def mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:,.1f} MiB"
 
 
-def needed_bytes(report: MemoryReport, memory: DeviceMemory) -> int:
-    """What the step needs of ``memory``: the CUDA context only if it is still to come out."""
-    return report.total_bytes - (0 if memory.context_included else report.fixed.get("cuda_context", 0))
-
-
 def verdict(report: MemoryReport, memory: DeviceMemory | None, largest_batch: int | None) -> dict:
     if memory is None:
         return {}
-    needed = needed_bytes(report, memory)
+    needed = report.needed_bytes(memory.context_included)
     return {"device_memory": memory.bytes, "device_memory_source": memory.source, "needed_bytes": needed,
             "fits": needed <= memory.bytes, "largest_batch_size": largest_batch}
 

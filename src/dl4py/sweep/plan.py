@@ -141,13 +141,7 @@ def normalise_grid(grid: Mapping[str, Any] | list[str] | None) -> dict[str, list
                 raise ConfigError(f"grid {key}", f"must be a list of values, got {values!r}")
             out[str(key).strip()] = _values(f"grid {key}", [value_text(v) for v in values])
         return out
-    out = {}
-    for spec in grid:
-        key, values = parse_grid(spec)
-        if key in out:
-            raise ConfigError(f"--grid {spec}", f"{key} is given by another --grid too; list all its values in one")
-        out[key] = values
-    return out
+    return _one_per_key(grid, parse_grid, "--grid", "is given by another --grid too; list all its values in one")
 
 
 def normalise_ranges(ranges: Mapping[str, Any] | list[str] | None) -> dict[str, Range]:
@@ -169,12 +163,17 @@ def normalise_ranges(ranges: Mapping[str, Any] | list[str] | None) -> dict[str, 
                 raise ConfigError(where, f"must be (low, high) or (low, high, 'log'), got {spec!r}")
             out[key] = make_range(where, spec[0], spec[1], len(spec) == 3)
         return out
+    return _one_per_key(ranges, parse_range, "--range", "has another --range too")
+
+
+def _one_per_key(specs: list[str], parse, flag: str, clash: str) -> dict:
+    """Command-line specs parsed into {key: value}; a key given twice is an error."""
     out = {}
-    for spec in ranges:
-        key, rng = parse_range(spec)
+    for spec in specs:
+        key, value = parse(spec)
         if key in out:
-            raise ConfigError(f"--range {spec}", f"{key} has another --range too")
-        out[key] = rng
+            raise ConfigError(f"{flag} {spec}", f"{key} {clash}")
+        out[key] = value
     return out
 
 
