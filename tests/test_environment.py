@@ -175,6 +175,19 @@ def test_precedence_code_and_config_over_variables_over_defaults(clean_environme
     assert torch.backends.cuda.matmul.allow_tf32 is False and torch.backends.cudnn.benchmark is True
 
 
+def test_temporarily_restores_values_and_where_they_came_from():
+    env = Environment.from_environ({"DL4PY_TF32": "1"})
+    with env.temporarily(tf32=False, fused_optimizer="off") as inside:
+        assert inside.tf32 is False and inside.fused_optimizer == "off"
+        assert env.set_by() == {"tf32": "code", "fused_optimizer": "code"}
+    assert env.tf32 is True and env.fused_optimizer == "auto"
+    assert env.set_by() == {"tf32": "DL4PY_TF32"}  # not "code": the block changed nothing for good
+    with pytest.raises(ConfigError, match="fused_optimizer"):
+        with env.temporarily(fused_optimizer="sometimes"):
+            pass
+    assert env.set_by() == {"tf32": "DL4PY_TF32"}
+
+
 def test_config_section_round_trips_and_validates():
     section = {"allow_multi_gpu": False, "devices": [0, 1], "max_device_cache": "6GB",
                "max_cacheable_chunk": "512MiB", "gc_threshold": 0.8, "expandable_segments": True,

@@ -203,6 +203,17 @@ def test_memory_command_errors_name_the_argument(capsys):
         assert "CUDA is not available" in capsys.readouterr().err
 
 
+def test_memory_command_with_batch_size_auto_needs_memory_to_fit_to(tmp_path, capsys):
+    path = tmp_path / "auto.yaml"
+    path.write_text(RunConfig.from_file(LENET_YAML).with_overrides(["training.batch_size=auto"]).to_yaml())
+    if not torch.cuda.is_available():  # no device to read: no batch size to invent
+        assert main(["memory", str(path)]) == 2
+        assert "--batch-size: training.batch_size is auto" in capsys.readouterr().err
+    assert main(["memory", str(path), "--device-memory", "6GiB", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["batch_size"] == answer["largest_batch_size"] > 128 and answer["fits"] is True
+
+
 def test_batch_size_auto_trains_with_the_largest_batch_that_fits(tmp_path, mnist, monkeypatch):
     from dl4py.memory import DeviceMemory
     from dl4py.memory import auto as auto_module
@@ -217,6 +228,7 @@ def test_batch_size_auto_trains_with_the_largest_batch_that_fits(tmp_path, mnist
     chosen = RunConfig.from_file(tmp_path / "run" / "config.yaml").training.batch_size
     assert chosen == result["batch_size"] == max_batch_size(config, budget, "float", device="cpu", margin=0.15)
     assert 100 < chosen < 4096
+    assert result["iterations"] == -(-4096 // chosen)  # the data batched at the chosen size, not the probe's
     assert estimate(config, chosen, device="cpu").total_bytes <= 0.85 * budget
     # Resuming keeps the recorded batch, whatever memory is free now.
     budget = 30 * 2**20

@@ -79,6 +79,9 @@ def test_grid_expands_to_every_combination_with_readable_names():
     grid = normalise_grid(["network.updater.learning_rate=0.1,0.05", "training.batch_size=32,64",
                            "network.layers[0].kernel_size=[3, 3],[5, 5]"])
     assert grid["network.layers[0].kernel_size"] == ["[3, 3]", "[5, 5]"]  # commas in brackets stay
+    layers = normalise_grid(["network.layers[0]={type: convolution, n_out: 20, kernel_size: [5, 5]},"
+                             "{type: convolution, n_out: 8, kernel_size: [3, 3]}"])["network.layers[0]"]
+    assert [yaml.safe_load(v)["kernel_size"] for v in layers] == [[5, 5], [3, 3]]  # nested brackets too
     experiments = expand(grid, {})
     assert len(experiments) == 8 and len({e.name for e in experiments}) == 8
     assert experiments[0].name == "001-learning_rate=0.1,batch_size=32,kernel_size=3_3"

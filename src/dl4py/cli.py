@@ -203,8 +203,12 @@ def _memory(args) -> int:
     largest = None
     if memory is not None:
         largest = max_batch_size(config, memory.bytes, context=memory.context_included, **options)
+    if batch is None and memory is None:
+        raise ConfigError("--batch-size", "training.batch_size is auto, and with no device memory to fit "
+                                          "it to there is no batch to report on: give --batch-size N, "
+                                          "--device-memory (e.g. 80GB) or --device")
     if batch is None:  # batch_size: auto in the config: report at the largest that fits
-        batch = largest or 1
+        batch = largest or 1  # nothing fits: the report of one sample says by how much
     report = estimate(config, batch, **options)
     answer = verdict(report, memory, largest)
     if args.json:

@@ -122,11 +122,16 @@ def train_run(
         model = load(checkpoint, backend=config.training.backend, precision=config.training.precision)
         log.info("resuming %s at epoch %d, iteration %d", run_dir, model.epoch_count, model.iteration_count)
     model.init()
-    config = _resolve_batch_size(config, model, run_dir if resume else None)
+    auto = config.training.batch_size == "auto"
+    train, test = make_iterators(config.data, 1 if auto else config.training.batch_size,
+                                 network.input_type.example_shape())
+    if auto:
+        config = _resolve_batch_size(config, model, train, run_dir if resume else None)
+        for iterator in filter(None, (train, test)):
+            iterator.batch_size = config.training.batch_size  # the data read once, batched as chosen
     atomic_write_text(run_dir / "config.yaml", config.to_yaml())
     atomic_write_json(run_dir / "environment.json", environment_record(model))
 
-    train, test = make_iterators(config.data, config.training.batch_size, network.input_type.example_shape())
     epochs_left = max(config.training.epochs - model.epoch_count, 0)
     metrics = MetricsLogger(run_dir / "metrics.jsonl", every=config.training.score_every)
     listeners = [metrics, PerformanceListener(report=False), CheckpointListener(checkpoint)]
@@ -160,20 +165,17 @@ def train_run(
     return result
 
 
-def _resolve_batch_size(config: RunConfig, model, resumed_dir: Path | None = None) -> RunConfig:
-    """``batch_size: auto`` becomes the largest batch that fits the model's device. The run
-    records the number it chose, and a resumed run keeps it: free memory may differ now,
-    and a checkpoint taken mid-epoch counts batches of the recorded size."""
-    if config.training.batch_size != "auto":
-        return config
+def _resolve_batch_size(config: RunConfig, model, train, resumed_dir: Path | None = None) -> RunConfig:
+    """``batch_size: auto`` becomes the largest batch that fits the model's device beside the
+    training data (``train``). The run records the number it chose, and a resumed run keeps it:
+    free memory may differ now, and a checkpoint taken mid-epoch counts batches of the recorded size."""
     if resumed_dir is not None:
         recorded = RunConfig.from_file(resumed_dir / "config.yaml").training.batch_size
         return config.with_overrides([f"training.batch_size={recorded}"])
     from dl4py.memory.auto import auto_batch_size
 
-    probe, _ = make_iterators(config.data, 1, config.network.input_type.example_shape())
-    example_bytes = probe.features[:1].element_size() * probe.features[:1].numel() + probe.labels[:1].element_size()
-    batch, _ = auto_batch_size(config, model.backend.device, probe.total_examples(), example_bytes,
+    example_bytes = train.features[:1].element_size() * train.features[:1].numel() + train.labels[:1].element_size()
+    batch, _ = auto_batch_size(config, model.backend.device, train.total_examples(), example_bytes,
                                workers=config.training.workers)
     return config.with_overrides([f"training.batch_size={batch}"])
 

@@ -269,12 +269,27 @@ class Environment:
             with dl4py.environment().temporarily(fused_optimizer="off"):
                 net = MultiLayerNetwork(conf).init()
         """
-        before = {name: getattr(self, name) for name in settings}
+        before = {name: (self._values[name], self._sources.get(name)) for name in settings if name in self._values}
         self.update(**settings)
         try:
             yield self
         finally:
-            self.update(**before)
+            self._restore(before)
+
+    def _restore(self, before: Mapping[str, tuple[Any, Optional[str]]]) -> None:
+        """Put back values and where they came from, so ``set_by()`` is as it was before the block."""
+        with _lock:
+            values, sources = dict(self._values), dict(self._sources)
+            for name, (value, source) in before.items():
+                values[name] = value
+                if source is None:
+                    sources.pop(name, None)
+                else:
+                    sources[name] = source
+            if self._live:
+                _apply_process(values, sources)
+            object.__setattr__(self, "_values", values)
+            object.__setattr__(self, "_sources", sources)
 
     def update_from_config(self, config: Any, where: str = "environment") -> "Environment":
         """Merge a config's ``environment`` section: its non-null fields override, nulls leave alone."""

@@ -23,7 +23,6 @@ from dl4py.errors import ConfigError
 
 # training.backend is decided by --devices; environment.devices would fight the slot pinning.
 SLOT_KEYS = ("training.backend", "environment.devices")
-_COMMA = re.compile(r",(?![^\[\{]*[\]\}])")  # commas inside [5, 5] or {a: 1, b: 2} stay
 
 
 @dataclass(frozen=True)
@@ -84,7 +83,22 @@ def parse_grid(spec: str) -> tuple[str, list[str]]:
     key = key.strip()
     if not sep or not key or not raw.strip():
         raise ConfigError(f"--grid {spec}", "must look like key=v1,v2,..., e.g. training.batch_size=32,64")
-    return key, _values(f"--grid {spec}", [v.strip() for v in _COMMA.split(raw)])
+    return key, _values(f"--grid {spec}", split_top_level(raw))
+
+
+def split_top_level(text: str) -> list[str]:
+    """Split at the commas outside brackets: ``[5, 5],[[3, 3], [1, 1]],{a: 1, b: 2}`` is three values."""
+    values, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        if char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth = max(depth - 1, 0)
+        elif char == "," and depth == 0:
+            values.append(text[start:i].strip())
+            start = i + 1
+    values.append(text[start:].strip())
+    return values
 
 
 def parse_range(spec: str) -> tuple[str, Range]:
