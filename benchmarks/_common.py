@@ -67,6 +67,26 @@ def hand_written_optimizer(module: nn.Module, config: dl4py.NetworkConfig, forea
     )
 
 
+def hand_written_epoch(config: dl4py.NetworkConfig, features, labels, batch: int, device, foreach=None):
+    """An epoch function of the hand-written loop over data already where it trains:
+    shuffled index slices, zero_grad / forward / loss / backward / step."""
+    import torch.nn.functional as F
+
+    model = hand_written_lenet().to(device)
+    optimizer = hand_written_optimizer(model, config, foreach=foreach)
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def epoch():
+        order = torch.randperm(features.shape[0], generator=generator, device=device)
+        for idx in order.split(batch):
+            x, y = features[idx], labels[idx]
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+
+    return epoch
+
+
 def settings(**values):
     """dl4py environment settings for a block; models built inside keep what they read."""
     return dl4py.environment().temporarily(**values)

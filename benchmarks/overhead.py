@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from _common import (
     device_of,
+    hand_written_epoch,
     hand_written_lenet,
     hand_written_optimizer,
     heading,
@@ -47,23 +48,6 @@ from _common import (
 from dl4py import MnistDataSetIterator, MultiLayerNetwork
 
 INSTALL = "pip install lightning"
-
-
-def hand_written(config, features, labels, batch, device):
-    model = hand_written_lenet().to(device)
-    optimizer = hand_written_optimizer(model, config, foreach=False)
-    generator = torch.Generator(device=device).manual_seed(0)
-
-    def epoch():
-        order = torch.randperm(features.shape[0], generator=generator, device=device)
-        for idx in order.split(batch):
-            x, y = features[idx], labels[idx]
-            optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            optimizer.step()
-
-    return epoch
 
 
 def lightning_loop(config, features, labels, batch, device):
@@ -110,7 +94,8 @@ def lightning_loop(config, features, labels, batch, device):
     def epoch():
         timer = EpochTimer()
         trainer = L.Trainer(
-            max_epochs=1, accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
+            max_epochs=1, accelerator="gpu" if device.type == "cuda" else "cpu",
+            devices=[device.index or 0] if device.type == "cuda" else 1,  # the GPU the data is on
             barebones=True, callbacks=[timer],
         )
         start = time.perf_counter()
@@ -151,7 +136,7 @@ def main() -> None:
     contestants = {
         "dl4py": timed(lambda: dl4py_net.fit(data, epochs=1)),
         "dl4py, like for like": timed(lambda: plain_net.fit(data, epochs=1)),
-        "hand-written": timed(hand_written(config, features, labels, batch, device)),
+        "hand-written": timed(hand_written_epoch(config, features, labels, batch, device, foreach=False)),
     }
     lightning_note, fit_seconds = None, []
     try:

@@ -57,7 +57,7 @@ def measure(config, precision: str, backend: str, batch: int, steps: int, window
     batches = [net._prepare(b) for b in data]
     net.fit(data, epochs=1)  # builds the step, warms kernels and the allocator
     step = net._train_step
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)  # its GPU, not cuda:0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for _ in range(5):

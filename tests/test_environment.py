@@ -21,13 +21,19 @@ from dl4py.backend.cuda_environment import (
     Environment,
     _reset_environment_for_tests,
     environment,
+    parse_conf,
     parse_size,
 )
+from dl4py.backend.environment_settings import _MIN_CHUNK_MIB
 from dl4py.backend.info import collect_info, format_info
 from dl4py.config import EnvironmentConfig, RunConfig
 from dl4py.errors import BackendError, ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
+# PyTorch's own allocator-settings parser, kept before the fixture stubs it (it is in libc10,
+# so it parses on a CPU-only build too).
+PYTORCH_SETTER = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+PYTORCH_GETTER = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
 NETWORK = {
     "input_type": {"type": "feed_forward", "size": 4},
     "layers": [{"type": "output", "n_out": 3}],
@@ -43,11 +49,18 @@ def _flags():
 
 @pytest.fixture(autouse=True)
 def clean_environment(monkeypatch):
-    """A fresh process Environment, no setting variables, and torch flags restored after."""
+    """A fresh process Environment, no setting variables, and torch flags restored after.
+
+    CUDA counts as not started (a test that means "after it started" says so), even where an
+    earlier test in this process started it; and nothing reaches PyTorch's allocator, whose
+    settings would outlive the test. The gpu tests run in fresh processes, past both stubs.
+    """
     names = [v for v in os.environ if v.startswith(("DL4PY_", "ND4J_")) and v != "DL4PY_DATA"]
     for var in {*names, *VARIABLES}:
         monkeypatch.setenv(var, "")  # so that monkeypatch restores it, even if it was unset
         monkeypatch.delenv(var)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", lambda conf: None, raising=False)
     saved = _flags()
     _reset_environment_for_tests()
     yield monkeypatch
@@ -57,6 +70,16 @@ def clean_environment(monkeypatch):
     torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = benchmark, cudnn_det
     if _flags()[4:] != (det, warn_only):
         torch.use_deterministic_algorithms(det, warn_only=warn_only)
+
+
+@pytest.fixture
+def allocator_pushes(clean_environment):
+    """The strings dl4py hands PyTorch's allocator-settings setter, on a build that counts as
+    having CUDA (dl4py pushes nothing on one without)."""
+    pushes: list[str] = []
+    clean_environment.setattr(torch.version, "cuda", torch.version.cuda or "12.8")
+    clean_environment.setattr(torch._C, "_accelerator_setAllocatorSettings", pushes.append, raising=False)
+    return pushes
 
 
 # -- values ------------------------------------------------------------------------------
@@ -79,7 +102,8 @@ def test_bad_sizes_name_the_setting(text):
     ("gc_threshold", 1.0, "strictly between 0 and 1"),
     ("max_device_cache", 1.5, "fraction in \\(0, 1\\] or a whole number of bytes"),
     ("max_device_cache", 0, "fraction"),
-    ("max_cacheable_chunk", "16MB", "more than 20 MiB"),
+    ("max_cacheable_chunk", "16MB", "at least 20 MiB"),
+    ("max_cacheable_chunk", 20 * 2**20 - 1, "at least 20 MiB"),  # PyTorch's "mb" round down
     ("devices", [], "non-empty list"),
     ("devices", [0, 0], "twice"),
     ("devices", ["0"], "device indices"),
@@ -295,22 +319,78 @@ def test_changes_cuda_reads_at_start_are_refused_once_it_has_started(clean_envir
     clean_environment.setattr(torch.cuda, "is_initialized", lambda: True)
     env.expandable_segments = True  # what is in force already: fine
     env.update(tf32=True, cudnn_benchmark=True, pinned_memory=False)  # flags can change any time
-    for name, value in [("expandable_segments", False), ("max_cacheable_chunk", "1GB"),
-                        ("caching", False), ("debug", True), ("deterministic", True)]:
+    for name, value in [("caching", False), ("debug", True), ("deterministic", True)]:
         with pytest.raises(BackendError, match=f"^{name}=.*CUDA is already initialised.*"
                                                f"DL4PY_{name.upper()}="):
             env.update(**{name: value}, cudnn_benchmark=False)
-        assert env.to_dict()[name] == DEFAULTS[name] or name == "expandable_segments"
+        assert env.to_dict()[name] == DEFAULTS[name]
+    start_only = ("PYTORCH_NO_CUDA_MEMORY_CACHING", "CUDA_LAUNCH_BLOCKING", "CUBLAS_WORKSPACE_CONFIG")
+    assert not any(var in os.environ for var in start_only)  # nothing half-applied
+    # Contradicting the user's own variable is a ConfigError whenever it happens.
+    with pytest.raises(ConfigError, match="PYTORCH_CUDA_ALLOC_CONF already sets expandable_segments:True"):
+        env.expandable_segments = False
     assert env.expandable_segments is True
     clean_environment.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # set before CUDA started
     env.update(deterministic=True, cudnn_benchmark=False)
     assert torch.are_deterministic_algorithms_enabled()
 
 
-def test_a_variable_applied_too_late_says_how_to_apply_it_in_time(clean_environment):
-    clean_environment.setenv("DL4PY_EXPANDABLE_SEGMENTS", "1")
+def test_allocator_settings_change_live_once_cuda_has_started(clean_environment, allocator_pushes):
+    env = environment().update(expandable_segments=True)
     clean_environment.setattr(torch.cuda, "is_initialized", lambda: True)
-    with pytest.raises(BackendError, match="came from DL4PY_EXPANDABLE_SEGMENTS.*environment\\(\\)\\.apply\\(\\)"):
+    env.update(max_cacheable_chunk="1GiB", max_device_cache=0.9, gc_threshold=0.7)
+    conf = os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+    assert parse_conf(conf) == {"max_split_size_mb": "1024", "garbage_collection_threshold": "0.7",
+                                "expandable_segments": "True"}
+    assert allocator_pushes[-1] == conf  # PyTorch's allocator has it now, not only the variable
+    env.expandable_segments = False
+    assert "expandable_segments" not in os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+    assert parse_conf(allocator_pushes[-1])["expandable_segments"] == "False"
+
+    def refuse(conf):
+        raise ValueError("CachingAllocator option refused")
+
+    clean_environment.setattr(torch._C, "_accelerator_setAllocatorSettings", refuse)
+    before = os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+    with pytest.raises(BackendError, match="PyTorch refused the allocator settings.*option refused"):
+        env.max_cacheable_chunk = "2GiB"
+    assert env.max_cacheable_chunk == "1GiB" and os.environ["PYTORCH_CUDA_ALLOC_CONF"] == before
+
+
+def test_settings_back_to_default_turn_expandable_segments_off_in_pytorch(allocator_pushes):
+    env = environment().update(expandable_segments=True, max_cacheable_chunk="1GiB")
+    assert allocator_pushes[-1] == os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+    env.update(expandable_segments=False, max_cacheable_chunk=None)
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    # An empty string would leave PyTorch's expandable_segments on: its parser resets the
+    # other keys when they are absent, but not that one.
+    assert allocator_pushes[-1] == "expandable_segments:False"
+
+
+@pytest.mark.skipif(PYTORCH_SETTER is None or PYTORCH_GETTER is None,
+                    reason="this PyTorch has no accelerator allocator-settings setter")
+def test_pushed_settings_are_ones_pytorchs_parser_accepts(allocator_pushes):
+    env = environment().update(max_cacheable_chunk=f"{_MIN_CHUNK_MIB}MiB", max_device_cache=0.9,
+                               gc_threshold=0.7, expandable_segments=True)
+    env.update(expandable_segments=False, gc_threshold=None)
+    saved = PYTORCH_GETTER()
+    try:
+        for conf in allocator_pushes:
+            PYTORCH_SETTER(conf)  # raises on a key or value format PyTorch does not take
+            assert PYTORCH_GETTER() == conf
+        with pytest.raises((ValueError, RuntimeError), match="True.*False"):
+            PYTORCH_SETTER("expandable_segments:false")  # why dl4py writes True/False, capitalised
+        # dl4py's smallest chunk is PyTorch's: it takes the bound, refuses one MiB less.
+        with pytest.raises((ValueError, RuntimeError), match=rf"max_split_size_mb too small, must be >= {_MIN_CHUNK_MIB}\b"):
+            PYTORCH_SETTER(f"max_split_size_mb:{_MIN_CHUNK_MIB - 1}")
+    finally:
+        PYTORCH_SETTER(saved)
+
+
+def test_a_variable_applied_too_late_says_how_to_apply_it_in_time(clean_environment):
+    clean_environment.setenv("DL4PY_DEBUG", "1")
+    clean_environment.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(BackendError, match="came from DL4PY_DEBUG.*environment\\(\\)\\.apply\\(\\)"):
         environment().apply()
 
 
@@ -365,6 +445,24 @@ def test_info_reports_the_settings(clean_environment):
     assert "environment    max_device_cache 6GB (DL4PY_MAX_DEVICE_CACHE)" in format_info(info)
 
 
+def test_info_reports_a_device_list_no_backend_can_satisfy(clean_environment):
+    """One visible CUDA device (faked) and devices=0,1: info says why, instead of failing."""
+    clean_environment.setenv("DL4PY_DEVICES", "0,1")
+    clean_environment.setattr(torch.version, "cuda", torch.version.cuda or "12.8")
+    clean_environment.setattr(torch.cuda, "device_count", lambda: 1)
+    clean_environment.setattr(torch.cuda, "is_available", lambda: True)
+    clean_environment.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(
+        name="Fake GPU", major=8, minor=0, multi_processor_count=108, total_memory=40 * 2**30))
+    clean_environment.setattr(torch.cuda, "mem_get_info", lambda i: (30 * 2**30, 40 * 2**30))
+    info = collect_info()
+    assert info["backend"] is None and info["device"] is None
+    assert "devices lists [1], but only 1 CUDA device(s) are visible" in info["backend_reason"]
+    assert info["environment_detail"]["usable_cuda_devices"].startswith("devices lists [1]")
+    assert [d["name"] for d in info["devices"]] == ["Fake GPU"]
+    text = format_info(info)
+    assert "backend        none" in text and "devices lists [1]" in text
+
+
 def test_info_command_in_a_fresh_process_reports_dl4py_variables():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DL4PY_", "ND4J_")) and k not in VARIABLES}
     env.update(PYTHONPATH=str(ROOT / "src"), DL4PY_TF32="1", DL4PY_MAX_DEVICE_CACHE="6GB",
@@ -400,17 +498,43 @@ def test_gpu_allocator_settings_are_what_pytorch_uses():
         x = torch.ones(1024, device="cuda")  # CUDA starts here, reading the variables
         conf = os.environ["PYTORCH_CUDA_ALLOC_CONF"]
         assert conf == "max_split_size_mb:256,garbage_collection_threshold:0.7,expandable_segments:True", conf
-        get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
-        if get is not None:
-            assert get() == conf, get()
+        get = torch._C._accelerator_getAllocatorSettings
+        assert get() == conf, get()
         stats = torch.cuda.memory_stats()
-        assert stats.get("max_split_size", 256 * 2**20) == 256 * 2**20, stats.get("max_split_size")
+        assert stats["max_split_size"] == 256 * 2**20, stats["max_split_size"]
+
+        def segment_of(tensor):  # the allocator's segment holding the tensor
+            ptr = tensor.data_ptr()
+            return next(s for s in torch.cuda.memory_snapshot()
+                        if s["address"] <= ptr < s["address"] + s["total_size"])
+
+        def oversize_now():
+            return torch.cuda.memory_stats()["oversize_allocations.current"]
+
+        MiB = 2**20
+        kept = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+        assert segment_of(kept)["is_expandable"] is True
+        before = oversize_now()
+        big = torch.empty(300 * MiB, dtype=torch.uint8, device="cuda")
+        assert oversize_now() == before + 1  # 300 MiB is above max_split_size_mb:256
+        del big
+        # Changed while CUDA runs: the allocator reads these on every allocation.
+        env.max_cacheable_chunk = "512MiB"
+        big = torch.empty(300 * MiB, dtype=torch.uint8, device="cuda")
+        assert oversize_now() == before, "max_split_size_mb:512 did not reach the allocator"
+        del big
+        env.expandable_segments = False
+        assert get().endswith("expandable_segments:False"), get()
+        torch.cuda.empty_cache()  # so the next block cannot come from an expandable segment
+        fresh = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+        assert segment_of(fresh)["is_expandable"] is False
+        assert segment_of(kept)["is_expandable"] is True
         try:
-            env.expandable_segments = False
+            env.debug = True
         except dl4py.BackendError as exc:
             assert "already initialised" in str(exc)
         else:
-            raise AssertionError("a too-late change was accepted")
+            raise AssertionError("a change CUDA reads only at start was accepted")
     """, DL4PY_MAX_CACHEABLE_CHUNK="256MiB", DL4PY_GC_THRESHOLD="0.7", DL4PY_MAX_DEVICE_CACHE="0.9",
         DL4PY_EXPANDABLE_SEGMENTS="1")
 

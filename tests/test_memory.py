@@ -8,6 +8,7 @@ the config alone. Every case must agree within 10%.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from dl4py.memory import (
     measure_training_step,
 )
 
+MiB = 2**20
 ROOT = Path(__file__).resolve().parents[1]
 LENET_YAML = ROOT / "examples" / "lenet_mnist.yaml"
 LENET = RunConfig.from_file(LENET_YAML).network
@@ -154,6 +156,19 @@ def test_max_batch_size_is_the_largest_that_fits():
     assert max_batch_size(VGG, "600MiB", "float", device="cuda") < max_batch_size(VGG, "600MiB", "float", device="cpu")
 
 
+def test_max_batch_size_keeps_every_tensor_below_2_31_elements():
+    # CUDA's max_pool2d (among others) refuses a tensor of 2**31 elements with a RuntimeError.
+    # LeNet's largest per example: the first convolution's 20x24x24 output (or the input).
+    per_example = max([math.prod(LENET.input_type.example_shape())] + [s.output.size for s in LENET.layer_shapes()])
+    cap = (2**31 - 1) // per_example
+    assert cap * per_example < 2**31 <= (cap + 1) * per_example
+    # An H200's 139 GiB would hold a far larger batch: the element count decides, not memory.
+    assert estimate(LENET, 2 * cap, "float", device="cuda").total_bytes < 0.85 * 139 * 2**30
+    assert max_batch_size(LENET, "139GiB", "float", device="cuda", margin=0.15, context=False) == cap
+    assert estimate(LENET, cap, device="cuda").max_batch_by_elements == cap
+    assert max_batch_size(LENET, "6GiB", "float", device="cuda") < cap  # where memory decides, as before
+
+
 def test_estimate_rejects_bad_input_clearly():
     with pytest.raises(ConfigError, match="batch_size"):
         estimate(LENET, 0)
@@ -237,3 +252,115 @@ def test_batch_size_auto_trains_with_the_largest_batch_that_fits(tmp_path, mnist
     assert resumed["batch_size"] == chosen and resumed["epochs"] == 2
     with pytest.raises(ConfigError, match="batch_size"):
         config.with_overrides(["training.batch_size=big"])
+
+
+def test_auto_batch_size_charges_each_worker_process_a_cuda_context(monkeypatch):
+    from dl4py.memory import DeviceMemory
+    from dl4py.memory import auto as auto_module
+
+    free = 3 * 2**30
+    monkeypatch.setattr(auto_module, "device_memory", lambda device: DeviceMemory(free, "a test GPU", "cuda", 0))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2**30)  # the model in this process
+    config, gpu = RunConfig.from_file(LENET_YAML), torch.device("cuda")
+
+    def needs(batch: int, context) -> int:
+        return estimate(config, batch, device="cuda").needed_bytes(context)
+
+    # Two spawned workers share the free memory; the model here stays, each brings a context.
+    chosen, why = auto_module.auto_batch_size(config, gpu, train_examples=10**9, example_bytes=0, workers=2)
+    assert 2 * needs(chosen, True) <= 0.85 * free < 2 * needs(chosen + 1, True)
+    assert "shared by 2 worker processes" in why
+    # Training in this process: what it holds is its own, and its context is paid.
+    alone, _ = auto_module.auto_batch_size(config, gpu, train_examples=10**9, example_bytes=0)
+    assert needs(alone, False) <= 0.85 * (free + 2**30) < needs(alone + 1, False)
+
+
+def test_auto_batch_size_stops_at_the_element_limit(monkeypatch):
+    from dl4py.memory import DeviceMemory
+    from dl4py.memory import auto as auto_module
+
+    monkeypatch.setattr(auto_module, "device_memory", lambda device: DeviceMemory(139 * 2**30, "an H200", "cuda", 0))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    config = RunConfig.from_file(LENET_YAML)
+    chosen, why = auto_module.auto_batch_size(config, torch.device("cuda"), train_examples=10**9, example_bytes=0)
+    assert chosen == estimate(config, 1, device="cuda").max_batch_by_elements
+    assert "2**31 elements" in why
+
+
+def _fake_gpu(monkeypatch, total: int, reserved: int, outside: int, allocated: int | None = None) -> int:
+    """A CUDA device as device_memory reads it: ``outside`` bytes used beyond this process's
+    allocator (its ``reserved`` bytes, of which ``allocated`` in use: all by default).
+    Returns the free bytes."""
+    free = total - reserved - outside
+    allocated = reserved if allocated is None else allocated
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda index=None: allocated)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "a test GPU")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index=None: (free, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda index=None: reserved)
+    return free
+
+
+def test_free_gpu_memory_still_owes_the_unpaid_part_of_the_cuda_context(monkeypatch):
+    from dl4py.memory import device_memory
+    from dl4py.memory.estimate import CUDA_CONTEXT_BYTES
+
+    # So far 300 MiB outside the allocator: cuBLAS/cuDNN handles and kernels are still to come.
+    free = _fake_gpu(monkeypatch, total=8 * 2**30, reserved=2**30, outside=300 * MiB)
+    memory = device_memory("cuda:0")
+    assert memory.bytes == free and memory.context_included == CUDA_CONTEXT_BYTES - 300 * MiB
+    assert "CUDA context still to come" in memory.source
+    largest = max_batch_size(LENET, memory.bytes, device="cuda", context=memory.context_included)
+    report = estimate(LENET, largest, device="cuda")
+    assert report.needed_bytes(memory.context_included) == report.total_bytes - 300 * MiB
+    assert report.total_bytes - 300 * MiB <= free < estimate(LENET, largest + 1, device="cuda").total_bytes - 300 * MiB
+    # Once more than a context's worth is outside the allocator, nothing more is charged.
+    _fake_gpu(monkeypatch, total=8 * 2**30, reserved=2**30, outside=600 * MiB)
+    assert device_memory("cuda:0").context_included == 0
+
+
+def test_under_a_cache_cap_the_context_takes_only_what_free_memory_cannot_hold(monkeypatch):
+    from dl4py.memory import capacity, device_memory
+    from dl4py.memory.estimate import CUDA_CONTEXT_BYTES
+
+    free = _fake_gpu(monkeypatch, total=8 * 2**30, reserved=0, outside=0)
+    for cap in (free - 100 * MiB, free - 2**30):  # max_device_cache leaves 100 MiB, or 1 GiB, above it
+        monkeypatch.setattr(capacity, "_within_cache_limit", lambda free, total, index, cap=cap: cap)
+        memory = device_memory("cuda:0")
+        # The allocator may use the cap, or what free memory leaves beside the context, whichever is less.
+        assert memory.bytes - memory.context_included == min(cap, free - CUDA_CONTEXT_BYTES)
+        assert memory.context_included >= 0
+
+
+def test_cuda_allocated_besides_subtracts_the_blocks_that_hold_the_tensors(monkeypatch):
+    from dl4py.memory.measure import cuda_allocated_besides
+
+    weight, batch = torch.empty(1000), torch.empty(10)
+    workspace = 32 * MiB  # cuBLAS'
+    blocks = [
+        {"address": weight.untyped_storage().data_ptr(), "size": 2 * MiB, "state": "active_allocated"},  # unsplit
+        {"address": batch.untyped_storage().data_ptr(), "size": 512, "state": "active_allocated"},
+        {"address": 1, "size": workspace, "state": "active_allocated"},
+        {"address": 2, "size": 8 * MiB, "state": "inactive"},  # cached, not allocated
+    ]
+    elsewhere = [{"address": batch.untyped_storage().data_ptr(), "size": 512, "state": "active_allocated"}]
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: [{"device": 0, "blocks": blocks},
+                                                                {"device": 1, "blocks": elsewhere}])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2 * MiB + 512 + workspace)
+    assert cuda_allocated_besides([weight, batch[2:]], "cuda:0") == workspace  # a view: its storage's block
+    assert cuda_allocated_besides([weight], "cuda:0") == workspace + 512
+
+
+def test_blocks_this_process_caches_but_does_not_use_count_as_free(monkeypatch):
+    from dl4py.backend.cuda_environment import environment
+    from dl4py.memory import device_memory
+
+    # 1 GiB reserved by the allocator, 256 MiB of it in use: 768 MiB is ours to reuse,
+    # though CUDA counts it as taken (a second fit after the first freed its data).
+    free = _fake_gpu(monkeypatch, total=8 * 2**30, reserved=2**30, outside=600 * MiB, allocated=256 * MiB)
+    memory = device_memory("cuda:0")
+    assert memory.bytes == free + 768 * MiB and "more cached by this process" in memory.source
+    # A cap bounds what the allocator reserves: of it, all but what is in use is ours.
+    with environment().temporarily(max_device_cache=4 * 2**30):
+        assert device_memory("cuda:0").bytes == 4 * 2**30 - 256 * MiB

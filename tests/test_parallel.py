@@ -192,6 +192,25 @@ def test_options_that_cannot_apply_are_errors():
         ParallelWrapper(net, devices=["cuda:0"], workers=2).fit(ArrayDataSetIterator(*toy(64), batch_size=8))
 
 
+def test_process_groups_use_nccl_only_for_one_process_per_gpu():
+    rule = ParallelWrapper._process_group_backend
+    assert rule(["cuda:0", "cuda:1"], 2) == "nccl"
+    assert rule(["cuda:0", "cuda:1"], 4) == "gloo"  # two workers per GPU: NCCL would refuse the duplicate
+    assert rule(["cuda:0"], 2) == "gloo" and rule(["cpu"], 2) == "gloo"
+
+
+def test_updater_state_on_another_device_travels_in_its_own_bucket():
+    # torch keeps RMSprop's (and unfused Adam's) step counts on the CPU beside CUDA
+    # parameters; one flat buffer cannot hold both, and NCCL moves CUDA tensors only.
+    from dl4py.parallel.averaging import _buckets
+
+    weight, step, elsewhere = torch.zeros(3), torch.zeros(()), torch.zeros(2, device="meta")
+    wide = torch.zeros(2, dtype=torch.float64)
+    buckets = _buckets([weight, elsewhere, step, wide])
+    assert [[t.device.type for t in b] for b in buckets] == [["cpu", "cpu"], ["meta"], ["cpu"]]
+    assert buckets[0][1] is step and buckets[2][0] is wide
+
+
 def _cross_entropy(outputs, labels):
     return torch.nn.functional.cross_entropy(outputs, labels)
 

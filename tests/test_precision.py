@@ -155,6 +155,25 @@ def test_skipped_fp16_steps_do_not_advance_the_schedule():
     assert net.optimizer.param_groups[0]["lr"] == 0.1 * 0.5**3  # set before the 4th update
 
 
+@pytest.mark.parametrize("precision", ["half", "mixed-fp16"])
+def test_without_a_schedule_applied_updates_are_counted_without_waiting(precision, caplog):
+    # No schedule needs the count at each step, so the step adds it up on the device and
+    # update_count reads it when asked: skipped steps still do not count, nor move a weight.
+    x, y = toy_data(64)
+    net = MultiLayerNetwork(mlp(updater=Nesterovs(learning_rate=0.1)), precision=precision).init()
+    net.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**60)
+    weights = [p.detach().clone() for p in net.module.parameters()]
+    net.fit((x, y), epochs=2, batch_size=16)  # 8 minibatches, all overflowing
+    assert torch.is_tensor(net.__dict__["_pending_updates"])  # nothing was read during the fit
+    assert net.update_count == 0 and net.__dict__["_pending_updates"] is None
+    assert all(torch.equal(a, b) for a, b in zip(weights, net.module.parameters()))
+    net.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    net._train_step = None
+    net.fit((x, y), epochs=1, batch_size=16)
+    assert net.update_count == 4 and net.iteration_count == 12
+    assert not all(torch.equal(a, b) for a, b in zip(weights, net.module.parameters()))
+
+
 def test_nan_error_names_the_precision_and_a_remedy():
     x, y = toy_data(32)
     x[5, 2] = float("inf")
@@ -258,3 +277,23 @@ def test_compiled_step_equals_eager():
             MultiLayerNetwork(mlp(), backend="cpu").fit((x, y), batch_size=16)
         finally:
             env.update(cuda_graphs=False)
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "mixed-bf16"])
+def test_bfloat16_on_a_gpu_before_ampere_is_a_clear_error(monkeypatch, precision):
+    # torch.cuda.is_bf16_supported() counts emulation and says yes on a V100; the check
+    # must go by compute capability, as `dl4py info` does.
+    from dl4py.backend.precision import resolve_precision
+    from dl4py.backend.selection import Backend
+    from dl4py.errors import BackendError
+
+    capability = {"value": (7, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    net = MultiLayerNetwork(LENET, precision=precision)
+    net.backend, net.precision = Backend("gpu", torch.device("cuda", 0), "test"), resolve_precision(precision)
+    with pytest.raises(BackendError, match=r"needs bfloat16, which Tesla V100 \(compute capability 7.0\)"):
+        net._check_precision_supported()
+    capability["value"] = (8, 0)
+    net._check_precision_supported()  # an A100 has it

@@ -7,9 +7,12 @@ Sources, lowest first: defaults, PyTorch's and CUDA's own variables
 ``ND4J_CUDA_FORCE_SINGLE_GPU`` / ``ND4J_DEBUG``, ``DL4PY_*`` variables, then code and
 config sections (the later of those two wins). Nothing happens at import time.
 
-Allocator settings, ``debug`` and ``deterministic``'s cuBLAS workspace are environment
-variables that CUDA reads once, when it starts; changing them after that is an error, not
-a silent no-op. The process-wide instance applies every change at once, like DL4J's.
+The allocator settings (``max_split_size_mb``, ``garbage_collection_threshold``,
+``expandable_segments``) are written to ``PYTORCH_CUDA_ALLOC_CONF`` and pushed to PyTorch's
+allocator, which reads them on every allocation, so they can change at any time. ``caching``,
+``debug`` and ``deterministic``'s cuBLAS workspace are variables read once, when CUDA starts;
+changing them after that is an error, not a silent no-op. The process-wide instance applies
+every change at once, like DL4J's.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from dl4py.backend.allocator_settings import push_allocator_settings
 from dl4py.backend.environment_settings import (  # noqa: F401  (re-exported: the settings' rules)
     ALLOC_KEYS,
     ALLOC_VARS,
@@ -72,11 +76,11 @@ def _explicit(name: str, sources: dict[str, str], var: str) -> bool:
     return name in sources and sources[name] not in (var, *ALLOC_VARS)
 
 
-def _plan(values: dict, sources: dict, environ: Mapping[str, str], late: bool):
-    """Variables to change ({var: value or None to delete}), the settings behind them, owned keys.
-    A setting that contradicts a variable is a ConfigError, or too late once CUDA has started."""
+def _plan_allocator(values: dict, sources: dict, environ: Mapping[str, str]):
+    """Allocator variables to change ({var: text, or None to delete}) and the keys dl4py owns
+    in them. A setting that contradicts the user's own key is a ConfigError, before or after
+    CUDA starts: the variable is theirs, and neither value is more right."""
     changes: dict[str, str | None] = {}
-    culprits: list[str] = []
     owned: dict[str, dict[str, str]] = {}
     for var in [v for v in ALLOC_VARS if v in environ] or [ALLOC_VARS[0]]:
         current = environ.get(var)
@@ -89,19 +93,23 @@ def _plan(values: dict, sources: dict, environ: Mapping[str, str], late: bool):
                 continue
             want, have = alloc_value(name, values[name]), new.get(key)
             if key in new and normalise_alloc_value(key, have) != want:
-                if late:
-                    raise _too_late([name], values, sources)
                 raise ConfigError(name, f"{var} already sets {key}:{have}, but {name}={values[name]!r} "
                                         f"({sources[name]}) asks for {key}:{want or 'default'}; "
                                         "remove one of them")
             if want is not None and key not in new:
                 new[key] = owned[var][key] = want
-            if pairs.get(key) != new.get(key):
-                culprits.append(name)
         text = format_conf(new)
         value = None if not text and (current is None or var in _created) else text
         if new != pairs or (value is None) != (current is None):
             changes[var] = value
+    return changes, owned
+
+
+def _plan_start_only(values: dict, sources: dict, environ: Mapping[str, str], late: bool):
+    """Variables CUDA reads only when it starts ({var: value or None}) and the settings behind
+    them. A contradiction with the user's variable is a ConfigError, or too late once CUDA runs."""
+    changes: dict[str, str | None] = {}
+    culprits: list[str] = []
     for name, var, needs, on_value in SIMPLE_VARS:
         if not _explicit(name, sources, var):
             continue
@@ -121,11 +129,11 @@ def _plan(values: dict, sources: dict, environ: Mapping[str, str], late: bool):
         if want != current:
             changes[var] = want
             culprits.append(name)
-    return changes, culprits, owned
+    return changes, culprits
 
 
 def _too_late(culprits: list[str], values: dict, sources: dict) -> BackendError:
-    name = culprits[0] if culprits else "expandable_segments"
+    name = culprits[0]
     value, source = values[name], sources.get(name, "code")
     shown = str(value).lower() if isinstance(value, bool) else str(value)
     if source.startswith(("DL4PY_", "ND4J_")):
@@ -138,11 +146,7 @@ def _too_late(culprits: list[str], values: dict, sources: dict) -> BackendError:
                         f"process, and CUDA reads this setting only when it starts; {how}.")
 
 
-def _apply_process(values: dict, sources: dict) -> None:
-    late = torch.cuda.is_initialized()
-    changes, culprits, owned = _plan(values, sources, os.environ, late)
-    if changes and late:
-        raise _too_late(culprits, values, sources)
+def _write_variables(changes: Mapping[str, str | None]) -> None:
     for var, value in changes.items():
         if value is None:
             os.environ.pop(var, None)
@@ -151,21 +155,32 @@ def _apply_process(values: dict, sources: dict) -> None:
             if var not in os.environ:
                 _created.add(var)
             os.environ[var] = value
-    _owned_keys.update(owned)
     for name, var, needs, on_value in SIMPLE_VARS:
         if var in changes:
             if changes[var] == on_value:
                 _owned_vars[var] = on_value
             else:
                 _owned_vars.pop(var, None)
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    if setter is not None and torch.version.cuda and any(v in changes for v in ALLOC_VARS):
-        # In case PyTorch parsed its allocator config before we wrote the variable.
-        conf = next((os.environ[v] for v in ALLOC_VARS if v in os.environ), "")
-        try:
-            setter(conf)
-        except RuntimeError as exc:  # the variable, read when CUDA starts, still holds
-            log.debug("dl4py: allocator settings not pushed to PyTorch early: %s", exc)
+
+
+def _apply_process(values: dict, sources: dict) -> None:
+    late = torch.cuda.is_initialized()
+    alloc_changes, owned = _plan_allocator(values, sources, os.environ)
+    start_changes, culprits = _plan_start_only(values, sources, os.environ, late)
+    if culprits and late:
+        raise _too_late(culprits, values, sources)
+    if alloc_changes and late:
+        # Pushed before the variables are written, so a refusal leaves everything as it was.
+        after = {var: value for var, value in {**os.environ, **alloc_changes}.items() if value is not None}
+        push_allocator_settings(after, live=True)
+    _write_variables({**alloc_changes, **start_changes})
+    _owned_keys.update(owned)
+    if alloc_changes and not late:
+        push_allocator_settings(os.environ, live=False)
+    _apply_torch_flags(values, sources)
+
+
+def _apply_torch_flags(values: dict, sources: dict) -> None:
     if sources.get("tf32") and values["tf32"] is not None:
         torch.backends.cuda.matmul.allow_tf32 = values["tf32"]
         torch.backends.cudnn.allow_tf32 = values["tf32"]

@@ -32,7 +32,7 @@ _BOOLS = {"1": True, "true": True, "yes": True, "on": True,
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
-_MIN_CHUNK_MIB = 20  # PyTorch requires max_split_size_mb > 20 (its large-block size)
+_MIN_CHUNK_MIB = 20  # PyTorch requires max_split_size_mb >= 20 (kLargeBuffer, its large-block size)
 
 ALLOC_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # newer torch reads either
 ALLOC_KEYS = {"max_cacheable_chunk": "max_split_size_mb", "gc_threshold": "garbage_collection_threshold",
@@ -84,9 +84,9 @@ def device_cache_limit(value: Any, where: str = "max_device_cache") -> tuple[str
 def chunk_mib(value: Any, where: str = "max_cacheable_chunk") -> int:
     """``max_split_size_mb`` for a size; PyTorch's "mb" are MiB, rounded down."""
     mib = parse_size(value, where) // 2**20
-    if mib <= _MIN_CHUNK_MIB:
-        raise ConfigError(where, f"must be more than {_MIN_CHUNK_MIB} MiB (PyTorch's smallest "
-                                 f"max_split_size_mb is {_MIN_CHUNK_MIB + 1}), got {value!r}")
+    if mib < _MIN_CHUNK_MIB:
+        raise ConfigError(where, f"must be at least {_MIN_CHUNK_MIB} MiB (PyTorch's smallest "
+                                 f"max_split_size_mb is {_MIN_CHUNK_MIB}), got {value!r}")
     return mib
 
 

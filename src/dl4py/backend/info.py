@@ -15,7 +15,7 @@ from dl4py.errors import BackendError
 
 def collect_info() -> dict:
     env = environment()  # reads the DL4PY_* variables; reporting applies nothing
-    backend = resolve_backend()
+    backend, backend_error = _backend_or_error()
     devices = []
     if cuda_unavailable_reason() is None:
         for index in range(torch.cuda.device_count()):
@@ -33,9 +33,9 @@ def collect_info() -> dict:
             })
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     return {
-        "backend": backend.name,
-        "device": str(backend.device),
-        "backend_reason": backend.reason,
+        "backend": backend.name if backend else None,
+        "device": str(backend.device) if backend else None,
+        "backend_reason": backend.reason if backend else backend_error,
         "backend_setting": get_backend_choice(),
         "priorities": {
             "BACKEND_PRIORITY_CPU": os.environ.get("BACKEND_PRIORITY_CPU", "0 (default)"),
@@ -61,6 +61,15 @@ def collect_info() -> dict:
     }
 
 
+def _backend_or_error():
+    """(backend, None), or (None, why) when the settings allow none: reporting that is what
+    ``dl4py info`` is for, e.g. ``DL4PY_DEVICES=0,1`` on a one-GPU machine."""
+    try:
+        return resolve_backend(), None
+    except BackendError as exc:
+        return None, f"no backend: {exc}"
+
+
 def _usable(env) -> list[int] | str:
     try:
         return env.usable_cuda_devices()
@@ -70,7 +79,7 @@ def _usable(env) -> list[int] | str:
 
 def format_info(info: dict) -> str:
     lines = [
-        f"backend        {info['backend']} ({info['device']})",
+        f"backend        {info['backend']} ({info['device']})" if info["backend"] else "backend        none",
         f"  why          {info['backend_reason']}",
         "versions       " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()),
         f"cpu threads    {info['cpu']['threads']} of {info['cpu']['logical_cores']} logical cores",

@@ -119,7 +119,7 @@ class EnvironmentConfig(ConfigBase):
     allow_multi_gpu: Optional[bool] = None  # default true
     devices: Optional[tuple] = None  # default: all visible
     max_device_cache: Optional[int | float | str] = None  # fraction up to 1, or a size
-    max_cacheable_chunk: Optional[int | str] = None  # a size above 20 MiB
+    max_cacheable_chunk: Optional[int | str] = None  # a size, at least 20 MiB
     gc_threshold: Optional[float] = None
     expandable_segments: Optional[bool] = None  # default false
     caching: Optional[bool] = None  # default true

@@ -2,10 +2,13 @@
 
 The budget is the device's memory as the process sees it when training starts: free CUDA
 memory within any ``max_device_cache``, plus what this process already holds (the
-estimate counts the parameters itself), or the RAM available; parallel workers placed on
-the same device share it. A margin stays free for what the
+estimate counts the parameters itself), less the part of the CUDA context not yet paid;
+or the RAM available. Parallel workers are processes of their own: they share the free
+memory of the device they are placed on, each paying a whole CUDA context, while the
+model stays where it is in this process. A margin stays free for what the
 estimate leaves out (allocator fragmentation, cuDNN's workspaces). The training set is
 counted as device-resident where it may be kept there, and the batch never exceeds it.
+No batch is chosen at which a tensor reaches 2**31 elements (``max_batch_size``).
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import logging
 import torch
 
 from dl4py.errors import ConfigError
-from dl4py.memory.capacity import device_memory, max_batch_size
+from dl4py.memory.capacity import DeviceMemory, device_memory, max_batch_size
+from dl4py.memory.estimate import estimate
 
 log = logging.getLogger("dl4py")
 
@@ -26,14 +30,10 @@ def auto_batch_size(config, device: torch.device, train_examples: int, example_b
                     workers: int = 1, margin: float = AUTO_MARGIN) -> tuple[int, str]:
     """(batch size, a sentence saying how it was chosen)."""
     memory = device_memory(device)
-    budget = memory.bytes
-    if device.type == "cuda":
-        budget += torch.cuda.memory_allocated(device)
-    if workers > 1:  # workers on one device share it (each with its own CUDA context)
-        budget //= _workers_per_device(device, workers)
+    budget, context = training_budget(memory, device, workers)
     data_bytes = train_examples * example_bytes if device.type == "cuda" and _data_may_live_on_device() else 0
     largest = max_batch_size(config, budget, config.training.precision, device=device.type, margin=margin,
-                             context=memory.context_included, data_bytes=data_bytes)
+                             context=context, data_bytes=data_bytes)
     if largest == 0:
         raise ConfigError(
             "training.batch_size",
@@ -41,10 +41,27 @@ def auto_batch_size(config, device: torch.device, train_examples: int, example_b
         )
     chosen = min(largest, train_examples)
     capped = " (the whole training set)" if chosen < largest else ""
-    why = (f"batch_size auto: {chosen:,}{capped}; the largest that fits {device} with a "
-           f"{margin:.0%} margin is {largest:,} ({memory.source})")
+    shared = f" shared by {workers} worker processes" if workers > 1 else ""
+    elements = estimate(config, 1, config.training.precision, device=device.type).max_batch_by_elements
+    bound = ", as no tensor may reach 2**31 elements" if largest == elements else ""
+    why = (f"batch_size auto: {chosen:,}{capped}; the largest that fits {device}{shared} with a "
+           f"{margin:.0%} margin is {largest:,}{bound} ({memory.source})")
     log.info(why)
     return chosen, why
+
+
+def training_budget(memory: DeviceMemory, device: torch.device, workers: int = 1) -> tuple[int, bool | int]:
+    """(bytes one training process may use, how much CUDA context is still to come out of them).
+
+    Training here: what this process already holds is its own (the estimate counts the
+    parameters itself), and its context is partly paid. ParallelWrapper workers are spawned
+    processes: this process's model stays on the device, so its bytes are not theirs, and
+    each worker brings a whole context of its own.
+    """
+    if workers > 1:
+        return memory.bytes // _workers_per_device(device, workers), True
+    held = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    return memory.bytes + held, memory.context_included
 
 
 def _workers_per_device(device: torch.device, workers: int) -> int:

@@ -56,15 +56,18 @@ def max_batch_size(
     updater: Updater | None = None,
     device: str = "cuda",
     margin: float = 0.0,
-    context: bool = True,
+    context: bool | int = True,
     limit: int = 1 << 24,
     **options,
 ) -> int:
     """The largest batch whose estimated training step fits in ``memory_bytes`` less a
     ``margin`` (a fraction kept free for what the estimate leaves out); 0 if none does.
+    Never one at which a tensor of the step reaches 2**31 elements, which CUDA kernels
+    cannot index (``MemoryReport.max_batch_by_elements``).
 
-    ``context=False`` when the budget is already net of the CUDA context (free memory read
-    from this process's device).
+    ``context`` is how much of the CUDA context is still to come out of ``memory_bytes``:
+    True for a card's total, the bytes ``device_memory`` says for free memory read from a
+    device whose context is partly paid (``MemoryReport.needed_bytes``).
     """
     if not 0 <= margin < 1:
         raise ConfigError("margin", f"must be a fraction in [0, 1), got {margin!r}")
@@ -73,7 +76,9 @@ def max_batch_size(
     def fits(batch: int) -> bool:
         return estimate(config, batch, precision, updater, device=device, **options).needed_bytes(context) <= budget
 
-    if not fits(1):
+    one = estimate(config, 1, precision, updater, device=device, **options)
+    limit = min(limit, one.max_batch_by_elements)
+    if limit < 1 or one.needed_bytes(context) > budget:
         return 0
     low, high = 1, 2
     while high <= limit and fits(high):  # memory grows with the batch: double, then bisect
@@ -87,13 +92,14 @@ def max_batch_size(
 
 @dataclass(frozen=True)
 class DeviceMemory:
-    """Memory a device offers: ``bytes``, where the figure came from, and whether the CUDA
-    context is still to come out of it (a card's total) or already has (free memory)."""
+    """Memory a device offers: ``bytes``, where the figure came from, and how much of the
+    CUDA context is still to come out of it, ``context_included``: True for all of it,
+    False for none, or a number of bytes (``MemoryReport.needed_bytes``)."""
 
     bytes: int
     source: str
     device_type: str
-    context_included: bool
+    context_included: bool | int
 
 
 def device_memory(device: str | torch.device) -> DeviceMemory:
@@ -109,32 +115,56 @@ def device_memory(device: str | torch.device) -> DeviceMemory:
         free, total = torch.cuda.mem_get_info(index)
         name = torch.cuda.get_device_name(index)
         source = f"cuda:{index} ({name}): {free:,} of {total:,} bytes free"
-        capped = _within_cache_limit(free, total, index)
-        if capped < free:
+        # Blocks this process's allocator keeps cached but unused are its to reuse, though
+        # CUDA counts them as taken (a second fit after the first freed its data, say).
+        cached = torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
+        usable = free + cached
+        if cached:
+            source += f", {cached:,} more cached by this process"
+        capped = _within_cache_limit(usable, total, index)
+        if capped < usable:
             source += f", {capped:,} within max_device_cache"
-        return DeviceMemory(capped, source, "cuda", False)
+        due = _context_still_due(free, total, usable - capped, index)
+        if due:
+            source += f"; {due:,} bytes of the CUDA context still to come"
+        return DeviceMemory(capped, source, "cuda", due)
     if device.type == "cpu":
         available = _available_ram()
-        return DeviceMemory(available, f"cpu: {available:,} bytes of RAM available", "cpu", False)
+        return DeviceMemory(available, f"cpu: {available:,} bytes of RAM available", "cpu", 0)
     raise BackendError(f"cannot read the memory of device {device}; give --device-memory instead")
 
 
 def fixed_budget(size: int | str, device_type: str = "cuda") -> DeviceMemory:
     """A device's total memory given as a size (``80GB``): the CUDA context comes out of it."""
     memory = parse_size(size, "--device-memory")
-    return DeviceMemory(memory, f"{memory:,} bytes given", device_type, device_type == "cuda")
+    context = CUDA_CONTEXT_BYTES if device_type == "cuda" else 0
+    return DeviceMemory(memory, f"{memory:,} bytes given", device_type, context)
 
 
-def _within_cache_limit(free: int, total: int, index: int) -> int:
-    """Free bytes this process may still take under the environment's max_device_cache."""
+def _context_still_due(free: int, total: int, beyond_budget: int, index: int) -> int:
+    """Bytes of the CUDA context that will still come out of the budget. Free memory is read
+    after the context is created, but cuBLAS and cuDNN handles and lazily loaded kernels
+    come later, outside the allocator: what the device holds outside this process's
+    allocator so far (other processes' memory too, so on a shared GPU this errs low)
+    counts as the part already paid."""
+    outside_allocator = total - free - torch.cuda.memory_reserved(index)
+    due = max(0, CUDA_CONTEXT_BYTES - outside_allocator)
+    # Under max_device_cache the budget is the cap; the context, outside the allocator,
+    # takes from the cap only what free memory above the cap (``beyond_budget``) cannot hold.
+    return max(0, due - beyond_budget)
+
+
+def _within_cache_limit(usable: int, total: int, index: int) -> int:
+    """Of ``usable`` bytes (free, and cached unused), what this process may still take under
+    the environment's max_device_cache, which bounds what its allocator reserves."""
     from dl4py.backend.cuda_environment import device_cache_limit, environment
 
     cap = environment().max_device_cache
     if cap is None:
-        return free
+        return usable
     kind, amount = device_cache_limit(cap)
     limit = amount * total if kind == "fraction" else amount
-    return int(min(free, max(int(limit) - torch.cuda.memory_reserved(index), 0)))
+    return int(min(usable, max(int(limit) - torch.cuda.memory_allocated(index), 0)))
 
 
 def _available_ram() -> int:

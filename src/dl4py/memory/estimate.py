@@ -5,8 +5,9 @@ PyTorch really keeps: parameters (and float32 master copies for ``half``/``bfloa
 gradients, the updater's state (SGD none, Nesterov and RMSProp one copy, Adam two),
 the activations autograd saves for the backward pass, layer by layer, the batch, and the
 temporaries of the backward pass and of the update, then takes the peak over the step.
-On a GPU it adds the framework's fixed costs: the CUDA context, cuBLAS' workspace and
-the allocator's rounding. docs/memory.md explains the model and its limits.
+On a GPU it adds the framework's fixed costs (the CUDA context, cuBLAS' workspace) and
+rounds each tensor to the allocator's 512-byte blocks. docs/memory.md explains the model
+and its limits.
 """
 
 from __future__ import annotations
@@ -29,7 +30,20 @@ MiB = 2**20
 # Outside PyTorch's allocator, so torch.cuda.memory_allocated never shows it: the CUDA
 # context with cuDNN and cuBLAS loaded lazily (CUDA 12) is typically 300-600 MiB.
 CUDA_CONTEXT_BYTES = 512 * MiB
-_ALLOCATOR_GRANULE = 512  # PyTorch's CUDA allocator rounds every block up to 512 bytes
+# PyTorch's CUDA caching allocator rounds each request up to a multiple of 512 bytes, and
+# memory_allocated counts whole blocks. For requests up to 1 MiB (the small pool, whose
+# blocks are always split) that is exact, and it is the rule the estimate follows. A larger
+# block counts more when it is not split: only a remainder over 1 MiB is split off (a fresh
+# segment of 10 MiB or more is a multiple of 2 MiB; a cached block is reused best-fit), so
+# up to 1 MiB more; under max_split_size_mb an oversize block is never split and may serve
+# a request up to max_non_split_rounding_mb (20 MiB by default) smaller; and
+# roundup_power2_divisions, when set, rounds coarser. Which applies depends on what is
+# cached, so the margin covers it (docs/memory.md).
+_ALLOCATOR_GRANULE = 512
+# CUDA kernels index some tensors with 32-bit ints (max_pool2d: safe_downcast<int>(numel))
+# and raise a RuntimeError, not an out-of-memory error, at 2**31 elements. Batch sizes are
+# capped below it on every device, so a CPU answer holds on a GPU.
+MAX_TENSOR_ELEMENTS = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -62,6 +76,7 @@ class MemoryReport:
     peak_bytes: int
     peak_phase: str
     at_peak: dict
+    max_batch_by_elements: int  # the largest batch at which every tensor has < 2**31 elements
     fixed: dict = field(default_factory=dict)  # framework costs, by name
     layers: tuple = ()
 
@@ -78,10 +93,16 @@ class MemoryReport:
     def total_bytes(self) -> int:
         return self.peak_bytes + self.fixed_bytes
 
-    def needed_bytes(self, context_included: bool = True) -> int:
-        """What the step needs of a budget: the CUDA context only if it is still to come out
-        of it (a card's total memory), not when the budget is free memory read afterwards."""
-        return self.total_bytes - (0 if context_included else self.fixed.get("cuda_context", 0))
+    def needed_bytes(self, context: bool | int = True) -> int:
+        """What the step needs of a budget. ``context`` is how much of the CUDA context is
+        still to come out of it: True all of it (a card's total memory), False none, or a
+        number of bytes (free memory read from a device whose context is partly paid)."""
+        full = self.fixed.get("cuda_context", 0)
+        if isinstance(context, bool):
+            due = full if context else 0
+        else:
+            due = min(max(int(context), 0), full)
+        return self.total_bytes - full + due
 
     def to_dict(self) -> dict:
         data = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "layers"}
@@ -152,6 +173,7 @@ def estimate(
         parameters=params, parameter_bytes=module_bytes + master, gradient_bytes=gradient_bytes,
         updater_bytes=state_bytes, activation_bytes=activation_bytes, input_bytes=input_bytes,
         peak_bytes=timeline.peak, peak_phase=timeline.peak_phase, at_peak=timeline.peak_live,
+        max_batch_by_elements=MAX_TENSOR_ELEMENTS // _largest_tensor_per_example(ops, sizes),
         fixed=fixed, layers=_layer_rows(network, ops, saved, sizes),
     )
 
@@ -185,6 +207,12 @@ def _network(config) -> tuple[NetworkConfig, str | None]:
     if isinstance(network, NetworkConfig):
         return network, config.training.precision
     raise TypeError(f"estimate needs a NetworkConfig or RunConfig, got {type(config).__name__}")
+
+
+def _largest_tensor_per_example(ops: list[Op], sizes: _Sizes) -> int:
+    """Elements per example of the step's largest batch-sized tensor: the batch, an operator's
+    result (its gradient, pooling indices and dropout mask have as many) or the scores."""
+    return max([sizes.input_elements, sizes.classes] + [op.out_elements for op in ops])
 
 
 def _buffer_bytes(ops: list[Op], itemsize: int) -> int:
@@ -296,6 +324,11 @@ def _layer_rows(network: NetworkConfig, ops: list[Op], saved: dict[int, int], si
 
 
 def _cublas_workspace() -> int:
-    # PyTorch's default CUBLAS_WORKSPACE_CONFIG: ":4096:2:16:8" (8.125 MiB), ":4096:8" on
-    # compute capability 9.x (32 MiB). Without a device to ask, the larger is assumed.
+    # cuBLAS' workspace is 8.125 MiB by default (CUBLAS_WORKSPACE_CONFIG ":4096:2:16:8"),
+    # 32 MiB (":4096:8") on Hopper and newer. How many are held in the allocator depends on
+    # torch: cached per (handle, stream), one handle per thread, and autograd's backward
+    # runs on a thread of its own, so two; or none (recent torch leaves
+    # TORCH_CUBLAS_WORKSPACE_CACHE off by default: cuBLAS then allocates its own outside
+    # PyTorch, and only cuBLASLt's 1 MiB is inside). One of the larger size is charged;
+    # the margin covers a second.
     return 32 * MiB

@@ -7,6 +7,10 @@ peak can be read on a CPU. A storage's Python object lives exactly as long as th
 itself (PyTorch keeps the two together), so a weak reference to it reports the free.
 Tensors that exist before the mode starts (parameters, optimizer state, the batch) are
 registered with ``track``.
+
+On a GPU, ``cuda_allocated_besides`` tells the step's own tensors from what the allocator
+also holds (cuBLAS' workspaces), so ``torch.cuda.max_memory_allocated`` can be compared
+with the estimate on the same terms.
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ def measure_training_step(model, features: torch.Tensor, labels: torch.Tensor, w
     for _ in range(warmup):
         step(features[:2], labels[:2])
     tracker = LiveTensorBytes()
-    resident = _resident_tensors(model) + [features, labels]
+    resident = resident_tensors(model) + [features, labels]
     tracker.track(resident)
     resident_bytes = tracker.current
     del resident
@@ -94,7 +98,8 @@ def measure_training_step(model, features: torch.Tensor, labels: torch.Tensor, w
     return MeasuredStep(tracker.peak, tracker.peak_op, resident_bytes)
 
 
-def _resident_tensors(model) -> list[torch.Tensor]:
+def resident_tensors(model) -> list[torch.Tensor]:
+    """What a model keeps between steps: parameters, buffers, gradients, masters, updater state."""
     tensors = list(model.module.parameters()) + list(model.module.buffers())
     tensors += [p.grad for p in model.module.parameters() if p.grad is not None]
     if model.master is not None:
@@ -103,3 +108,17 @@ def _resident_tensors(model) -> list[torch.Tensor]:
     for state in model.optimizer.state.values():
         tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
     return tensors
+
+
+def cuda_allocated_besides(tensors, device: torch.device | str | None = None) -> int:
+    """Bytes the CUDA caching allocator holds on ``device`` for anything but ``tensors``'
+    storages: cuBLAS' cached workspaces, for one. It is memory_allocated less the blocks
+    that hold ``tensors``, found by address in the allocator's snapshot: a block can be
+    larger than its tensor (docs/memory.md), so subtracting tensor sizes would not do."""
+    index = torch.device(device or "cuda").index
+    index = torch.cuda.current_device() if index is None else index
+    starts = {tensor.untyped_storage().data_ptr() for tensor in tensors}
+    segments = [s for s in torch.cuda.memory_snapshot() if s.get("device", index) == index]
+    held = sum(block["size"] for segment in segments for block in segment["blocks"]
+               if block["state"] == "active_allocated" and block["address"] in starts)
+    return torch.cuda.memory_allocated(index) - held

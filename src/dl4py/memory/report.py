@@ -15,7 +15,8 @@ def verdict(report: MemoryReport, memory: DeviceMemory | None, largest_batch: in
         return {}
     needed = report.needed_bytes(memory.context_included)
     return {"device_memory": memory.bytes, "device_memory_source": memory.source, "needed_bytes": needed,
-            "fits": needed <= memory.bytes, "largest_batch_size": largest_batch}
+            "fits": needed <= memory.bytes, "largest_batch_size": largest_batch,
+            "largest_batch_is_element_limit": largest_batch == report.max_batch_by_elements}
 
 
 def format_report(report: MemoryReport, answer: dict) -> str:
@@ -48,6 +49,9 @@ def format_report(report: MemoryReport, answer: dict) -> str:
     parts.append(("total", mib(report.total_bytes)))
     width = max(len(name) for name, _ in parts)
     lines += [f"{name.ljust(width)}  {value}" for name, value in parts]
+    if report.batch_size > report.max_batch_by_elements:
+        lines.append(f"warning: at batch {report.batch_size:,} a tensor has 2**31 elements or more, which CUDA "
+                     f"kernels cannot index (RuntimeError); at most {report.max_batch_by_elements:,}")
     if answer:
         lines.append("")
         lines.append(f"device memory: {answer['device_memory_source']}")
@@ -56,6 +60,8 @@ def format_report(report: MemoryReport, answer: dict) -> str:
         lines.append(f"{word}: needs {mib(answer['needed_bytes'])} of {mib(answer['device_memory'])} ({share:.1%})")
         largest = answer["largest_batch_size"]
         if largest is not None:
-            lines.append(f"largest batch size that fits: {largest:,}" if largest else
+            at_limit = answer["largest_batch_is_element_limit"]
+            bound = " (no larger: a tensor would reach 2**31 elements)" if at_limit else ""
+            lines.append(f"largest batch size that fits: {largest:,}{bound}" if largest else
                          "not even a batch of 1 fits")
     return "\n".join(lines)

@@ -48,9 +48,30 @@ class Model:
         self._channels_last = False  # convolutions in NHWC (environment setting channels_last)
         self._device_data = None  # DeviceDataSetIterator: fit keeps the device copy between calls
 
+    @property
+    def update_count(self) -> int:
+        """Updates applied. Under loss scaling without a schedule the step counts them on the
+        device, so it need not wait for the GPU; they are added up here, when asked for."""
+        pending = self.__dict__.get("_pending_updates")
+        if pending is not None:
+            self._update_count += int(pending)
+            self._pending_updates = None
+        return self._update_count
+
+    @update_count.setter
+    def update_count(self, value: int) -> None:
+        self._update_count, self._pending_updates = int(value), None
+
+    def count_updates_later(self, applied: torch.Tensor) -> None:
+        """Add 1 (``applied`` true) or 0 to ``update_count`` without reading the device now."""
+        applied = applied.to(torch.int64)
+        pending = self.__dict__.get("_pending_updates")
+        self._pending_updates = applied if pending is None else pending + applied
+
     def __getstate__(self):
         # Sent to a parallel worker as its recipe: the built module, optimizer and step
         # are rebuilt there on the worker's device (weights follow in a saved model file).
+        self.update_count  # pending device counts become a number that pickles anywhere
         state = dict(self.__dict__)
         for name in ("module", "optimizer", "master", "scaler", "_train_step", "_compiled", "backend",
                      "precision", "_device_data"):
@@ -110,7 +131,9 @@ class Model:
         if device.type == "cuda":
             name = torch.cuda.get_device_name(device)
             major, minor = torch.cuda.get_device_capability(device)
-            if precision.uses_bf16 and not torch.cuda.is_bf16_supported():
+            # Not torch.cuda.is_bf16_supported(): it counts emulation, so says yes for every
+            # GPU, and asks about the current device, not this one. bf16 arithmetic is Ampere's.
+            if precision.uses_bf16 and (major, minor) < (8, 0):
                 raise BackendError(
                     f"precision '{precision}' needs bfloat16, which {name} (compute capability "
                     f"{major}.{minor}) does not support; use 'half' or 'mixed-fp16'"
@@ -196,8 +219,11 @@ class Model:
 
     def _prepare(self, batch: DataSet) -> tuple[torch.Tensor, torch.Tensor]:
         device = self.backend.device
-        x = self._convert_input(batch.features.to(device, non_blocking=True))
-        return x, batch.labels.to(device, non_blocking=True)
+        # Asynchronous only towards a GPU, where the stream orders the copy before its use;
+        # a GPU-to-CPU copy would be read by the CPU before it lands.
+        non_blocking = device.type == "cuda"
+        x = self._convert_input(batch.features.to(device, non_blocking=non_blocking))
+        return x, batch.labels.to(device, non_blocking=non_blocking)
 
     def _convert_input(self, x: torch.Tensor) -> torch.Tensor:
         """Features on the device -> the precision's dtype and the module's memory format."""

@@ -2,8 +2,11 @@
 
 Both weight each worker by whether it took part (trained a batch since the last average,
 or in this step), so an uneven last round averages across the workers that trained and
-no worker's stale values dilute the result. Tensors travel in one flat buffer per dtype,
-in float32 (float64 for double), one all-reduce each, plus one for the participant count.
+no worker's stale values dilute the result. Tensors travel in one flat buffer per device
+and dtype, in float32 (float64 for double), one all-reduce each, plus one for the
+participant count. The buffers live on the model's device: torch keeps some optimizer
+state on the CPU beside CUDA parameters (the ``step`` counts of RMSprop, and of Adam
+unless fused), and NCCL only moves CUDA tensors.
 """
 
 from __future__ import annotations
@@ -47,13 +50,25 @@ def average(tensors: list[torch.Tensor], took_part: bool) -> float:
     if count == 0:  # nobody trained since the last average: nothing to do, on every worker alike
         return 0.0
     weight = 1.0 if took_part else 0.0
+    device = tensors[0].device  # the parameters come first: the model's device
     for bucket in _buckets(tensors):
         wide = torch.float64 if bucket[0].dtype == torch.float64 else torch.float32
-        flat = torch.cat([t.reshape(-1).to(wide) for t in bucket]).mul_(weight)
+        flat = torch.cat([t.reshape(-1).to(device=device, dtype=wide) for t in bucket]).mul_(weight)
         dist.all_reduce(flat)
-        flat.div_(count)
+        flat = flat.div_(count).to(bucket[0].device)
         torch._foreach_copy_(bucket, [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in bucket]), bucket)])
     return count
+
+
+@torch.no_grad()
+def broadcast(tensors: list[torch.Tensor], src: int = 0) -> None:
+    """Give every worker worker ``src``'s values, passing through the model's device."""
+    device = tensors[0].device if tensors else None
+    for tensor in tensors:
+        moved = tensor.to(device)  # the tensor itself when it is already there
+        dist.broadcast(moved, src=src)
+        if moved is not tensor:
+            tensor.copy_(moved)
 
 
 @torch.no_grad()
@@ -76,7 +91,8 @@ def mean_over_participants(value: torch.Tensor | None, took_part: bool, device: 
 
 
 def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    """Tensors grouped by (device, dtype), so each group copies back with one foreach call."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    return list(by_dtype.values())
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return list(groups.values())

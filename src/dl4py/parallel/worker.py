@@ -24,6 +24,7 @@ from dl4py.backend.cuda_environment import Environment, environment
 from dl4py.errors import DataError
 from dl4py.parallel.averaging import (
     average,
+    broadcast,
     mean_over_participants,
     replica_state,
     share_gradients,
@@ -113,9 +114,7 @@ def train_replica(rank: int, world: int, spec: WorkerSpec, source):
     replica = build_replica(spec, device)
     replica.module.train()
     # All replicas start from worker 0's state, whatever each process built.
-    with torch.no_grad():
-        for tensor in replica_state(replica, include_updater=True):
-            dist.broadcast(tensor, src=0)
+    broadcast(replica_state(replica, include_updater=True), src=0)
     if replica.master is not None:
         replica.master.master_to_module()
     hook = None
@@ -220,7 +219,8 @@ def _train_epoch(replica, step, rank, world, spec, source, device, report, liste
                 elif spec.mode == "shared_gradients":
                     step(None, None)  # apply the shared update without a batch of its own
                 stop = None
-                if spec.controller is not None:
+                if spec.controller is not None and spec.controller.config.iteration_conditions:
+                    # Only then: asking means a collective and a read of the loss every round.
                     stop = _iteration_stop(spec.controller, last_loss, mine, device)
                 last_round = plan.averages_after(round_index, spec.averaging_frequency)
                 if spec.mode == "averaging" and (last_round or stop is not None):

@@ -255,19 +255,17 @@ class ParallelWrapper:
         local_rank = int(os.environ["LOCAL_RANK"])
         if self.workers is not None and self.workers != world:
             raise ConfigError("workers", f"is {self.workers} but torchrun launched {world} processes; leave it unset under torchrun")
-        if self.devices is not None:
-            devices = self.devices
-        elif self.model.backend.device.type == "cuda":
-            devices = [f"cuda:{local_rank % torch.cuda.device_count()}"]
-        else:
-            devices = ["cpu"]
-        spec = self._spec(iterator, epochs, listeners, devices, world, record)
-        spec.devices = [devices[local_rank % len(devices)]] * world  # this process's device, whatever its rank
+        node_devices = self._resolve_devices()
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+        # This node's workers share its cores; other nodes have their own.
+        spec = self._spec(iterator, epochs, listeners, node_devices, local_world, record)
+        spec.devices = [node_devices[local_rank % len(node_devices)]] * world  # this process's device, whatever its rank
         if spec.source is None:
             spec.source = StrideSource(iterator)
         owns_group = not dist.is_initialized()
         if owns_group:
-            backend = "nccl" if spec.devices[0].startswith("cuda") else "gloo"
+            # NCCL refuses two ranks on one GPU, which more processes per node than GPUs gives.
+            backend = self._process_group_backend(node_devices, local_world)
             dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=self.timeout))
         try:
             with tempfile.TemporaryDirectory(prefix=f"dl4py-rank{rank}-") as tmp:

@@ -93,18 +93,28 @@ def make_train_step(model, gradient_hook=None) -> Callable[[torch.Tensor, torch.
                 group["lr"] = lr
         if scaler is None:
             optimizer.step()
-            applied = True
+            _applied(model, master)
         else:
             # GradScaler skips the update when a gradient overflowed and then lowers
             # its scale; a lower scale afterwards is how we know the step was skipped.
-            scale_before = scaler.get_scale()
+            # Compared on the device: get_scale() would wait for the GPU, twice a step.
+            scale_before = scaler._get_scale_async().clone()
             scaler.step(optimizer)
             scaler.update()
-            applied = scaler.get_scale() >= scale_before
-        if applied:
-            if master is not None:
-                master.master_to_module()
-            model.update_count += 1
+            applied = scaler._get_scale_async() >= scale_before
+            if scheduled:  # the next step's learning rate needs the count now: one wait
+                if bool(applied):
+                    _applied(model, master)
+            else:
+                if master is not None:  # a skipped step left the masters as they were: a no-op copy
+                    master.master_to_module()
+                model.count_updates_later(applied)
         return None if loss is None else loss.detach()
 
     return full_step
+
+
+def _applied(model, master) -> None:
+    if master is not None:
+        master.master_to_module()
+    model.update_count += 1

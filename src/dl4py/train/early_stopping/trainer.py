@@ -52,9 +52,11 @@ class EarlyStoppingTrainer:
         self.model.init()
         controller.start(self.model.epoch_count)
         watcher = _IterationConditions(controller)
+        # Without iteration conditions nothing need read the loss each step (a wait on a GPU).
+        watching = [watcher] if self.config.iteration_conditions else []
         try:
             while True:
-                self.model.fit(self.train, epochs=1, listeners=[watcher, *self.listeners])
+                self.model.fit(self.train, epochs=1, listeners=[*watching, *self.listeners])
                 if watcher.reason is not None:
                     return controller.result(ITERATION_CONDITION, watcher.reason)
                 reason = controller.end_of_epoch(self.model, self.model.epoch_count - 1)
