@@ -90,3 +90,15 @@ def test_precision_names_and_aliases():
         assert resolve_precision().name == "double"
     finally:
         dl4py.set_default_dtype("float")
+
+
+def test_under_torchrun_each_local_rank_gets_its_own_gpu(monkeypatch):
+    # Every process of a node choosing the first GPU would put all their models on it.
+    from dl4py.backend.cuda_environment import Environment
+
+    monkeypatch.setattr(Environment, "usable_cuda_devices", lambda self: [2, 5])
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert selection._first_permitted_gpu() == torch.device("cuda", 2)
+    for rank, index in [("0", 2), ("1", 5), ("2", 2)]:
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        assert selection._first_permitted_gpu() == torch.device("cuda", index)

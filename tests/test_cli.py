@@ -49,6 +49,11 @@ def test_train_writes_a_complete_run_directory(tmp_path, mnist, capsys):
     stats = json.loads(capsys.readouterr().out)
     assert stats["accuracy"] == pytest.approx(result["test_accuracy"])
     assert stats["num_examples"] == 300
+    # ... and in another precision than it trained in (a device without bfloat16, say)
+    assert run_cli("evaluate", out, "--json", "--precision", "double") == 0
+    assert json.loads(capsys.readouterr().out)["accuracy"] == pytest.approx(result["test_accuracy"], abs=0.01)
+    assert run_cli("evaluate", out, "--precision", "quarter") == 2
+    assert "quarter" in capsys.readouterr().err
 
     # the same directory is never reused by accident
     assert run_cli("train", LENET, "--output", out, *QUICK) == 2

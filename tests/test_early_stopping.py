@@ -87,6 +87,12 @@ def test_max_epochs_and_best_score_and_evaluation_interval():
                                         epoch_conditions=[BestScore(0.8), MaxEpochs(100)])
     result = EarlyStoppingTrainer(config, MultiLayerNetwork(mlp()), data).fit()
     assert result.termination_details == "BestScore(0.8)" and result.best_model_score >= 0.8
+    # The best model comes back where it is asked for (the run's own backend, say), not
+    # wherever the process's default would put it.
+    from dl4py.backend import Backend
+
+    where = Backend("cpu", torch.device("cpu"), "the trained model's backend")
+    assert result.best_model(backend=where).backend.reason == "the trained model's backend"
     config = EarlyStoppingConfiguration(score_calculator=DataSetLossCalculator(data), epoch_conditions=[MaxEpochs(7)],
                                         evaluate_every_n_epochs=3)
     result = EarlyStoppingTrainer(config, MultiLayerNetwork(mlp()), data).fit()

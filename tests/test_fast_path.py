@@ -200,7 +200,8 @@ def test_gpu_fast_path_equals_the_plain_path():
     """Everything on (data on the device, fused optimizer, channels_last, CUDA graphs) against
     everything off, on a convolutional network, in float and mixed-bf16."""
     x, y = images(128)
-    for precision in ("float", "mixed-bf16"):
+    bf16 = torch.cuda.get_device_capability() >= (8, 0)  # before Ampere, dl4py refuses bfloat16
+    for precision in ("float", "mixed-bf16") if bf16 else ("float",):
         trained = []
         for fast in (False, True):
             switch = "on" if fast else "off"

@@ -186,6 +186,11 @@ def test_options_that_cannot_apply_are_errors():
         ParallelWrapper(net, workers=0)
     with pytest.raises(ConfigError, match="prefetch_buffer: must be an integer >= 0"):
         ParallelWrapper(net, prefetch_buffer=-1)
+    with pytest.raises(ConfigError, match=r"devices\[1\]: names no GPU: give its index"):
+        ParallelWrapper(net, devices=["cuda:0", "cuda"])
+    with pytest.raises(ConfigError, match=r"devices\[0\]: must be cpu, cuda:N or a GPU index, got 'gpu7'"):
+        ParallelWrapper(net, devices=["gpu7"])
+    assert ParallelWrapper(net, devices=[1, "cpu", torch.device("cuda", 0)]).devices == ["cuda:1", "cpu", "cuda:0"]
     with pytest.raises(ConfigError, match="cuda:0 is not usable"):
         if torch.cuda.is_available():
             pytest.skip("this machine has CUDA")
@@ -219,8 +224,38 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.1)
 
 
+def _sgd_half(params):
+    return torch.optim.SGD(params, lr=0.5)
+
+
+def test_plain_torch_module_replicas_are_private_copies():
+    # Spawn's pickler would share the parent's tensors with every worker (shared memory; CUDA
+    # IPC on a GPU): replicas on one device would all step the same weights. Each must be its
+    # own copy, so that two workers equal one process stepping on the mean gradient.
+    x, y = toy(64)
+    torch.manual_seed(1)
+    module = torch.nn.Linear(5, 3)
+    reference = torch.nn.Linear(5, 3)
+    reference.load_state_dict(module.state_dict())
+    for start in range(0, 64, 32):  # a round: two batches of 16, one per worker
+        grads = []
+        for b in (start, start + 16):
+            reference.zero_grad()
+            _cross_entropy(reference(x[b:b + 16]), y[b:b + 16]).backward()
+            grads.append([p.grad.clone() for p in reference.parameters()])
+        with torch.no_grad():
+            for i, p in enumerate(reference.parameters()):
+                p -= 0.5 * (grads[0][i] + grads[1][i]) / 2
+    model = TorchModel(module, loss=_cross_entropy, optimizer=_sgd_half, backend="cpu")
+    ParallelWrapper(model, workers=2, training_mode="shared_gradients").fit(
+        ArrayDataSetIterator(x, y, batch_size=16, shuffle=False), epochs=1)
+    for a, b in zip(model.module.parameters(), reference.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
 def test_plain_torch_module_trains_in_parallel():
     x, y = toy(512)
+    torch.manual_seed(0)  # the module's initial weights: the same whatever ran before
     module = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
     model = TorchModel(module, loss=_cross_entropy, optimizer=_sgd, backend="cpu")
     before = model.score((x, y))

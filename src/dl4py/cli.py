@@ -4,7 +4,7 @@
                             [--precision P] [--workers N] [--averaging-frequency K]
                             [--training-mode averaging|shared_gradients]
                             [--output DIR] [--resume] [--set key=value ...]
-    dl4py evaluate MODEL [--config CONFIG] [--limit N] [--json]
+    dl4py evaluate MODEL [--config CONFIG] [--limit N] [--backend B] [--precision P] [--json]
     dl4py summary CONFIG
     dl4py info [--json]
     dl4py memory CONFIG.yaml [--batch-size N] [--precision P] [--inference]
@@ -54,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--limit", type=int, help="evaluate on the first N test examples only")
     evaluate.add_argument("--batch-size", type=int, default=1024)
     evaluate.add_argument("--backend", choices=["auto", "cpu", "gpu"])
+    evaluate.add_argument("--precision", help="evaluate in another precision than the model was saved in "
+                                              "(e.g. float where the device lacks bfloat16)")
     evaluate.add_argument("--json", action="store_true", help="print the statistics as JSON")
 
     summary = sub.add_parser("summary", help="per-layer shapes and parameter counts of a config")
@@ -233,7 +235,7 @@ def _evaluate(args) -> int:
         model_path = model_path / MODEL
     elif config_path is None and (model_path.parent / "config.yaml").exists():
         config_path = model_path.parent / "config.yaml"
-    model = load(model_path, backend=args.backend)
+    model = load(model_path, backend=args.backend, precision=args.precision)
     data = RunConfig.from_file(config_path).data if config_path else DataConfig()
     if args.limit is not None:
         data = DataConfig.from_dict({**data.to_dict(), "limit_test": args.limit}, "--limit")

@@ -154,7 +154,8 @@ def train_run(
         atomic_write_json(run_dir / "result.json", result)
         raise
     if stopping is not None and stopping.best_model_epoch >= 0:
-        model = stopping.best_model()  # the run's model is the best one; the last is the checkpoint
+        # The run's model is the best one (the last is the checkpoint), where the run trained.
+        model = stopping.best_model(backend=model.backend)
     evaluation = model.evaluate(test) if test is not None else None
     model.save(run_dir / MODEL)
     if evaluation is not None:

@@ -86,6 +86,9 @@ def _first_permitted_gpu() -> torch.device:
     devices = environment().usable_cuda_devices()
     if not devices:
         raise BackendError("no CUDA device is permitted by the environment's device list")
+    local_rank = os.environ.get("LOCAL_RANK", "")
+    if local_rank.isdigit():  # under torchrun: each process of a node its own GPU, by local rank
+        return torch.device("cuda", devices[int(local_rank) % len(devices)])
     return torch.device("cuda", devices[0])
 
 

@@ -202,7 +202,7 @@ class Model:
                 chunk = self._convert_input(x[start : start + batch_size].to(self.backend.device))
                 with self.precision.forward_context(self.backend.device):
                     outs.append(self.activate(self.module(chunk)))
-        return torch.cat(outs) if outs else torch.empty(0)
+        return torch.cat(outs) if outs else torch.empty(0, device=self.backend.device)  # where outputs live
 
     def evaluate(self, data) -> "Evaluation":
         """Classification statistics over every batch of ``data``."""

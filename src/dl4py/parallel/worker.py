@@ -8,6 +8,7 @@ the end of each epoch, in shared-gradients mode gradients are averaged every ste
 
 from __future__ import annotations
 
+import io
 import logging
 import signal
 import sys
@@ -43,7 +44,7 @@ class WorkerSpec:
     """Everything a worker needs, as plain picklable data."""
 
     model_path: str  # the model to replicate, as saved by Model.save
-    torch_model: object | None  # a TorchModel to load model_path into (None: MultiLayerNetwork)
+    torch_model: object | None  # a TorchModel (bytes when spawned) to load model_path into; None: MultiLayerNetwork
     source: object | None  # ShardedSource / StrideSource; None: batches come through a queue
     num_batches: int
     epochs: int
@@ -97,6 +98,8 @@ def build_replica(spec: WorkerSpec, device: torch.device):
     if spec.torch_model is None:
         return load(spec.model_path, backend=backend, precision=spec.precision)
     model = spec.torch_model
+    if isinstance(model, bytes):  # a spawned worker's private copy (wrapper._private_copy)
+        model = torch.load(io.BytesIO(model), map_location="cpu", weights_only=False)
     model._requested_backend, model._requested_precision = backend, spec.precision
     restore_state(model, spec.model_path)
     return model

@@ -12,6 +12,7 @@ worker instead. Afterwards ``model`` holds the averaged parameters (and updater 
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import pickle
@@ -97,7 +98,7 @@ class ParallelWrapper:
         if not isinstance(prefetch_buffer, int) or isinstance(prefetch_buffer, bool) or prefetch_buffer < 0:
             raise ConfigError("prefetch_buffer", f"must be an integer >= 0, got {prefetch_buffer!r}")
         self.prefetch_buffer = prefetch_buffer
-        self.devices = None if devices is None else [str(torch.device(d if not isinstance(d, int) else f"cuda:{d}")) for d in devices]
+        self.devices = None if devices is None else [_device_name(d, i) for i, d in enumerate(devices)]
         self.workers = None if workers is None else _positive_int(workers, "workers")
         if not timeout > 0:
             raise ConfigError("timeout", f"must be positive, got {timeout!r}")
@@ -171,6 +172,8 @@ class ParallelWrapper:
         devices = self._resolve_devices()
         world = self.workers or (len(devices) if devices[0].startswith("cuda") else 2)
         spec = self._spec(iterator, epochs, listeners, devices, world, record)
+        if spec.torch_model is not None:
+            spec.torch_model = _private_copy(spec.torch_model)
         _check_picklable(spec)
         ctx = mp.get_context("spawn")
         with tempfile.TemporaryDirectory(prefix="dl4py-parallel-") as tmp:
@@ -298,16 +301,44 @@ class _Feeder(threading.Thread):
                 self.error = exc
 
 
+def _device_name(device, index: int) -> str:
+    """``cpu`` or ``cuda:N`` for an entry of ``devices``: a GPU index, a name or a torch.device."""
+    where = f"devices[{index}]"
+    try:
+        device = torch.device(f"cuda:{device}" if isinstance(device, int) and not isinstance(device, bool) else device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(where, f"must be cpu, cuda:N or a GPU index, got {device!r}") from None
+    if device.type == "cuda" and device.index is None:
+        # Each worker pins itself to one GPU, and NCCL needs to know whether two share one.
+        raise ConfigError(where, "names no GPU: give its index, e.g. cuda:0 or 0")
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(where, f"must be cpu, cuda:N or a GPU index, got {str(device)!r}")
+    return str(device)
+
+
+def _private_copy(model) -> bytes:
+    """A TorchModel for spawned workers: bytes holding a copy of every tensor, read onto
+    the CPU there. Handed over as it is, spawn's pickler would share the parent's tensors
+    (shared memory on a CPU, CUDA IPC on a GPU), and the workers on the parent's device
+    would all train the parent's own parameters."""
+    buffer = io.BytesIO()
+    try:
+        torch.save(model, buffer)
+    except Exception as exc:
+        raise ConfigError("model", f"must be picklable to reach the worker processes: {exc} (define the "
+                                   "module, loss and optimizer factory at module level, not as lambdas or "
+                                   "local functions; or launch the script with torchrun, where nothing is "
+                                   "pickled)") from None
+    return buffer.getvalue()
+
+
 def _check_picklable(spec: WorkerSpec) -> None:
     """Spawned workers receive the spec by pickle; say what cannot travel before starting any."""
-    for name, value in (("model", spec.torch_model), ("iterator", spec.source), ("listeners", spec.listeners)):
+    for name, value in (("iterator", spec.source), ("listeners", spec.listeners)):
         try:
             pickle.dumps(value)
         except Exception as exc:
-            hint = (" (define the module, loss and optimizer factory at module level, not as lambdas "
-                    "or local functions; or launch the script with torchrun, where nothing is pickled)"
-                    if name == "model" else "")
-            raise ConfigError(name, f"must be picklable to reach the worker processes: {exc}{hint}") from None
+            raise ConfigError(name, f"must be picklable to reach the worker processes: {exc}") from None
 
 
 def _get(q, timeout: float):

@@ -181,5 +181,10 @@ def epoch_rng(model, epoch: int, stream: int = 0):
     devices = [device.index or 0] if device.type == "cuda" else []
     stack = contextlib.ExitStack()
     stack.enter_context(torch.random.fork_rng(devices=devices))
-    torch.manual_seed(seed * 1_000_003 + epoch * 10_007 + stream)
+    value = seed * 1_000_003 + epoch * 10_007 + stream
+    # Only the generators fork_rng restores: torch.manual_seed would reseed every GPU.
+    torch.random.default_generator.manual_seed(value)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(value)
     return stack

@@ -61,8 +61,8 @@ class RegressionScoreCalculator(ScoreCalculator):
     def calculate_score(self, model) -> float:
         errors, targets = [], []
         for batch in self.iterator:
-            predicted = model.output(batch.features).double().cpu()
-            target = batch.labels.double().reshape(predicted.shape)
+            predicted = model.output(batch.features).to("cpu", torch.float64)
+            target = batch.labels.to("cpu", torch.float64).reshape(predicted.shape)  # labels may be on a GPU
             errors.append(predicted - target)
             targets.append(target)
         error, target = torch.cat(errors), torch.cat(targets)

@@ -61,9 +61,12 @@ class EarlyStoppingResult:
     total_epochs: int
     model_saver: object = field(repr=False, default=None)
 
-    def best_model(self, into=None):
-        """The best model, rebuilt from the saver (``into``: a TorchModel to load it into)."""
-        return self.model_saver.get_best_model(into=into)
+    def best_model(self, into=None, backend=None):
+        """The best model, rebuilt from the saver (``into``: a TorchModel to load it into) on
+        ``backend`` (a name or the trained model's ``backend``; default: the process's choice)."""
+        if backend is None:  # a saver of the user's own may not take a backend
+            return self.model_saver.get_best_model(into=into)
+        return self.model_saver.get_best_model(into=into, backend=backend)
 
     def to_dict(self) -> dict:
         return {

@@ -28,11 +28,11 @@ class InMemoryModelSaver:
     def load_state(self, state: dict) -> None:
         self.best, self.latest = state["best"], state["latest"]
 
-    def get_best_model(self, into=None):
-        return None if self.best is None else _load(self.best, into)
+    def get_best_model(self, into=None, backend=None):
+        return None if self.best is None else _load(self.best, into, backend)
 
-    def get_latest_model(self, into=None):
-        return None if self.latest is None else _load(self.latest, into)
+    def get_latest_model(self, into=None, backend=None):
+        return None if self.latest is None else _load(self.latest, into, backend)
 
 
 class LocalFileModelSaver:
@@ -51,16 +51,16 @@ class LocalFileModelSaver:
     def save_latest(self, model, score: float) -> None:
         model.save(self.directory / self.LATEST)
 
-    def get_best_model(self, into=None):
+    def get_best_model(self, into=None, backend=None):
         path = self.directory / self.BEST
-        return _load(path, into) if path.exists() else None
+        return _load(path, into, backend) if path.exists() else None
 
-    def get_latest_model(self, into=None):
+    def get_latest_model(self, into=None, backend=None):
         path = self.directory / self.LATEST
-        return _load(path, into) if path.exists() else None
+        return _load(path, into, backend) if path.exists() else None
 
 
-def _load(source, into):
+def _load(source, into, backend):
     from dl4py.nn.serialization import load
 
-    return load(source, into=into)
+    return load(source, into=into, backend=backend)
