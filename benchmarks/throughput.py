@@ -115,8 +115,7 @@ def main() -> None:
         base = n / statistics.median(later)
         rows.append({"batch": batch, "loop": "PyTorch eager + DataLoader", "precision": "float", "mode": "eager",
                      "first_epoch_s": first, "epoch_s": later, "samples_per_second": base, "speedup": 1.0})
-        resident = data.total_examples()  # whole batches, as the others train on
-        features, labels = data.features[:resident].to(device), data.labels[:resident].to(device)
+        features, labels = data.features[:n].to(device), data.labels[:n].to(device)  # whole batches, as the others
         first, later = timed_epochs(hand_written_epoch(config, features, labels, batch, device), device, epochs)
         rate = n / statistics.median(later)
         rows.append({"batch": batch, "loop": "PyTorch eager, data on the device", "precision": "float",

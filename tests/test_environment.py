@@ -212,6 +212,17 @@ def test_temporarily_restores_values_and_where_they_came_from():
     assert env.set_by() == {"tf32": "DL4PY_TF32"}
 
 
+def test_temporarily_takes_back_the_variables_it_wrote():
+    env = environment()
+    env.apply()
+    started = {var: os.environ.get(var) for var in VARIABLES}
+    with env.temporarily(debug=True, caching=False, deterministic=True, expandable_segments=True):
+        assert os.environ["CUDA_LAUNCH_BLOCKING"] == "1" and os.environ["PYTORCH_NO_CUDA_MEMORY_CACHING"] == "1"
+        assert "expandable_segments:True" in os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+    assert {var: os.environ.get(var) for var in VARIABLES} == started  # child processes see no trace
+    assert env.debug is False and env.caching is True and env.set_by() == {}
+
+
 def test_config_section_round_trips_and_validates():
     section = {"allow_multi_gpu": False, "devices": [0, 1], "max_device_cache": "6GB",
                "max_cacheable_chunk": "512MiB", "gc_threshold": 0.8, "expandable_segments": True,

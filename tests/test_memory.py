@@ -258,21 +258,23 @@ def test_auto_batch_size_charges_each_worker_process_a_cuda_context(monkeypatch)
     from dl4py.memory import DeviceMemory
     from dl4py.memory import auto as auto_module
 
-    free = 3 * 2**30
-    monkeypatch.setattr(auto_module, "device_memory", lambda device: DeviceMemory(free, "a test GPU", "cuda", 0))
+    free, cached = 3 * 2**30, 512 * MiB  # cached: blocks this process's allocator keeps unused
+    monkeypatch.setattr(auto_module, "device_memory",
+                        lambda device: DeviceMemory(free + cached, "a test GPU", "cuda", 0, cached))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2**30)  # the model in this process
     config, gpu = RunConfig.from_file(LENET_YAML), torch.device("cuda")
 
     def needs(batch: int, context) -> int:
         return estimate(config, batch, device="cuda").needed_bytes(context)
 
-    # Two spawned workers share the free memory; the model here stays, each brings a context.
+    # Two spawned workers share the free memory; the model and the cache here stay, each
+    # worker brings a context.
     chosen, why = auto_module.auto_batch_size(config, gpu, train_examples=10**9, example_bytes=0, workers=2)
     assert 2 * needs(chosen, True) <= 0.85 * free < 2 * needs(chosen + 1, True)
     assert "shared by 2 worker processes" in why
-    # Training in this process: what it holds is its own, and its context is paid.
+    # Training in this process: what it holds and caches is its own, and its context is paid.
     alone, _ = auto_module.auto_batch_size(config, gpu, train_examples=10**9, example_bytes=0)
-    assert needs(alone, False) <= 0.85 * (free + 2**30) < needs(alone + 1, False)
+    assert needs(alone, False) <= 0.85 * (free + cached + 2**30) < needs(alone + 1, False)
 
 
 def test_auto_batch_size_stops_at_the_element_limit(monkeypatch):
@@ -361,6 +363,7 @@ def test_blocks_this_process_caches_but_does_not_use_count_as_free(monkeypatch):
     free = _fake_gpu(monkeypatch, total=8 * 2**30, reserved=2**30, outside=600 * MiB, allocated=256 * MiB)
     memory = device_memory("cuda:0")
     assert memory.bytes == free + 768 * MiB and "more cached by this process" in memory.source
+    assert memory.cached == 768 * MiB  # which spawned workers cannot use
     # A cap bounds what the allocator reserves: of it, all but what is in use is ours.
     with environment().temporarily(max_device_cache=4 * 2**30):
         assert device_memory("cuda:0").bytes == 4 * 2**30 - 256 * MiB

@@ -190,7 +190,7 @@ def test_options_that_cannot_apply_are_errors():
         ParallelWrapper(net, devices=["cuda:0", "cuda"])
     with pytest.raises(ConfigError, match=r"devices\[0\]: must be cpu, cuda:N or a GPU index, got 'gpu7'"):
         ParallelWrapper(net, devices=["gpu7"])
-    assert ParallelWrapper(net, devices=[1, "cpu", torch.device("cuda", 0)]).devices == ["cuda:1", "cpu", "cuda:0"]
+    assert ParallelWrapper(net, devices=[1, "cpu:0", torch.device("cuda", 0)]).devices == ["cuda:1", "cpu", "cuda:0"]
     with pytest.raises(ConfigError, match="cuda:0 is not usable"):
         if torch.cuda.is_available():
             pytest.skip("this machine has CUDA")

@@ -21,7 +21,7 @@ log = logging.getLogger("dl4py")
 
 def allocator_setter():
     """PyTorch's function that re-parses allocator settings, or None on a build without CUDA."""
-    if not torch.version.cuda:
+    if not (torch.version.cuda or getattr(torch.version, "hip", None)):  # ROCm builds use the same allocator
         return None
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     # Older PyTorch (before the accelerator-generic setter) has only the CUDA one.

@@ -302,7 +302,10 @@ class Environment:
                 else:
                     sources[name] = source
             if self._live:
-                _apply_process(values, sources)
+                # Applied as set in code: a setting with no source is left alone by the
+                # planner, which would leave the variables the block wrote in place.
+                unset = {name: "code" for name, (_, source) in before.items() if source is None}
+                _apply_process(values, {**sources, **unset})
             object.__setattr__(self, "_values", values)
             object.__setattr__(self, "_sources", sources)
 

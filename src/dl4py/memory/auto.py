@@ -41,7 +41,9 @@ def auto_batch_size(config, device: torch.device, train_examples: int, example_b
         )
     chosen = min(largest, train_examples)
     capped = " (the whole training set)" if chosen < largest else ""
-    shared = f" shared by {workers} worker processes" if workers > 1 else ""
+    sharing = _workers_per_device(device, workers) if workers > 1 else 1
+    shared = (f" shared by {sharing} worker processes" if sharing > 1
+              else " for each worker process" if workers > 1 else "")
     elements = estimate(config, 1, config.training.precision, device=device.type).max_batch_by_elements
     bound = ", as no tensor may reach 2**31 elements" if largest == elements else ""
     why = (f"batch_size auto: {chosen:,}{capped}; the largest that fits {device}{shared} with a "
@@ -58,8 +60,8 @@ def training_budget(memory: DeviceMemory, device: torch.device, workers: int = 1
     processes: this process's model stays on the device, so its bytes are not theirs, and
     each worker brings a whole context of its own.
     """
-    if workers > 1:
-        return memory.bytes // _workers_per_device(device, workers), True
+    if workers > 1:  # this process's cached blocks are no more theirs than its model
+        return (memory.bytes - memory.cached) // _workers_per_device(device, workers), True
     held = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     return memory.bytes + held, memory.context_included
 

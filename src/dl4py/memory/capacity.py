@@ -100,6 +100,7 @@ class DeviceMemory:
     source: str
     device_type: str
     context_included: bool | int
+    cached: int = 0  # of ``bytes``: blocks this process's allocator caches unused (reusable by it alone)
 
 
 def device_memory(device: str | torch.device) -> DeviceMemory:
@@ -127,7 +128,7 @@ def device_memory(device: str | torch.device) -> DeviceMemory:
         due = _context_still_due(free, total, usable - capped, index)
         if due:
             source += f"; {due:,} bytes of the CUDA context still to come"
-        return DeviceMemory(capped, source, "cuda", due)
+        return DeviceMemory(capped, source, "cuda", due, min(cached, capped))
     if device.type == "cpu":
         available = _available_ram()
         return DeviceMemory(available, f"cpu: {available:,} bytes of RAM available", "cpu", 0)

@@ -259,7 +259,9 @@ class ParallelWrapper:
         if self.workers is not None and self.workers != world:
             raise ConfigError("workers", f"is {self.workers} but torchrun launched {world} processes; leave it unset under torchrun")
         node_devices = self._resolve_devices()
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+        # Every rank must reach the same backend: without LOCAL_WORLD_SIZE (launchers other
+        # than torchrun), all take the world as one node's, which errs towards gloo.
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         # This node's workers share its cores; other nodes have their own.
         spec = self._spec(iterator, epochs, listeners, node_devices, local_world, record)
         spec.devices = [node_devices[local_rank % len(node_devices)]] * world  # this process's device, whatever its rank
@@ -313,7 +315,7 @@ def _device_name(device, index: int) -> str:
         raise ConfigError(where, "names no GPU: give its index, e.g. cuda:0 or 0")
     if device.type not in ("cpu", "cuda"):
         raise ConfigError(where, f"must be cpu, cuda:N or a GPU index, got {str(device)!r}")
-    return str(device)
+    return "cpu" if device.type == "cpu" else str(device)  # cpu:0 is the CPU too
 
 
 def _private_copy(model) -> bytes:
