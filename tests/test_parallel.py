@@ -26,20 +26,19 @@ from toy import mlp, toy  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def reference_mean_gradient_steps(config, batches, workers, lr):
-    """One process: each round, step on the mean gradient of the round's batches."""
-    net = MultiLayerNetwork(config).init()
-    params = list(net.module.parameters())
+def mean_gradient_steps(module, loss, batches, workers, lr):
+    """One process: each round, step ``module`` on the mean gradient of the round's batches."""
+    params = list(module.parameters())
     for start in range(0, len(batches), workers):
         grads = []
         for x, y in batches[start:start + workers]:
-            net.module.zero_grad()
-            net.loss(net.module(x), y).backward()
+            module.zero_grad()
+            loss(module(x), y).backward()
             grads.append([p.grad.clone() for p in params])
         with torch.no_grad():
             for i, p in enumerate(params):
                 p -= lr * torch.stack([g[i] for g in grads]).mean(0)
-    return net
+    return module
 
 
 @pytest.mark.parametrize("mode", ["averaging", "shared_gradients"])
@@ -47,13 +46,14 @@ def test_matches_a_single_process_on_the_mean_gradient(mode):
     x, y = toy(88)  # 11 batches of 8: 5 full rounds and one with worker 0 alone
     data = ArrayDataSetIterator(x, y, batch_size=8, shuffle=False)
     batches = [(x[i:i + 8], y[i:i + 8]) for i in range(0, 88, 8)]
-    expected = reference_mean_gradient_steps(mlp(), batches, workers=2, lr=0.1)
+    reference = MultiLayerNetwork(mlp()).init()
+    expected = mean_gradient_steps(reference.module, reference.loss, batches, workers=2, lr=0.1)
 
     net = MultiLayerNetwork(mlp(), backend="cpu")
     options = {"averaging_frequency": 1} if mode == "averaging" else {}
     summaries = ParallelWrapper(net, workers=2, training_mode=mode, **options).fit(data, epochs=1)
     assert summaries[0].batches == 11 and summaries[0].examples == 88
-    for (name, a), b in zip(net.module.named_parameters(), expected.module.parameters()):
+    for (name, a), b in zip(net.module.named_parameters(), expected.parameters()):
         assert torch.allclose(a, b, atol=1e-5), name
     assert net.epoch_count == 1 and net.iteration_count == 11
 
@@ -237,15 +237,8 @@ def test_plain_torch_module_replicas_are_private_copies():
     module = torch.nn.Linear(5, 3)
     reference = torch.nn.Linear(5, 3)
     reference.load_state_dict(module.state_dict())
-    for start in range(0, 64, 32):  # a round: two batches of 16, one per worker
-        grads = []
-        for b in (start, start + 16):
-            reference.zero_grad()
-            _cross_entropy(reference(x[b:b + 16]), y[b:b + 16]).backward()
-            grads.append([p.grad.clone() for p in reference.parameters()])
-        with torch.no_grad():
-            for i, p in enumerate(reference.parameters()):
-                p -= 0.5 * (grads[0][i] + grads[1][i]) / 2
+    batches = [(x[b:b + 16], y[b:b + 16]) for b in range(0, 64, 16)]  # a round: two batches, one per worker
+    mean_gradient_steps(reference, _cross_entropy, batches, workers=2, lr=0.5)
     model = TorchModel(module, loss=_cross_entropy, optimizer=_sgd_half, backend="cpu")
     ParallelWrapper(model, workers=2, training_mode="shared_gradients").fit(
         ArrayDataSetIterator(x, y, batch_size=16, shuffle=False), epochs=1)
