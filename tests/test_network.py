@@ -229,7 +229,7 @@ def test_corrupt_or_truncated_model_file_is_a_clear_error(tmp_path, mnist):
     net.save(path)
     data = path.read_bytes()
     (tmp_path / "cut.dl4py").write_bytes(data[: len(data) // 2])
-    with pytest.raises(DataError, match=r"cut\.dl4py: not a readable dl4py model file"):
+    with pytest.raises(DataError, match=r"cut\.dl4py is not a valid dl4py model"):
         dl4py.load(tmp_path / "cut.dl4py")
     with pytest.raises(DataError, match="no such model file"):
         dl4py.load(tmp_path / "absent.dl4py")

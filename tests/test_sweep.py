@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import shutil
 import signal
 import subprocess
@@ -22,11 +23,12 @@ import yaml
 from dl4py import RunConfig
 from dl4py.cli import main
 from dl4py.errors import ConfigError
+from dl4py.folders import FolderLock
 from dl4py.sweep import expand, make_slots, parse_range, run
 from dl4py.sweep.plan import Plan, normalise_grid
 from dl4py.sweep.processes import Job, ProcessQueue
 from dl4py.sweep.results import collect_rows
-from dl4py.sweep.runner import _claim, _Lock
+from dl4py.sweep.runner import _claim
 from dl4py.sweep.slots import available_cpus
 
 MLP = """\
@@ -292,7 +294,7 @@ def test_two_sweeps_never_share_a_folder(grid_sweep, tmp_path, capsys):
     assert run_cli("sweep", config, *GRID, "--output", out) == 2
     assert "already holds files" in capsys.readouterr().err
     # A sweep is running there: a --resume beside it is refused.
-    with _Lock(out), pytest.raises(ConfigError, match="another sweep is running"):
+    with FolderLock(out, "sweep folder"), pytest.raises(ConfigError, match=rf"in use by process {os.getpid()}"):
         run(resume=True, output=out, progress=False)
     claimed = tmp_path / "sweep.json"
     _claim(claimed, "{}")  # two sweeps started on one empty folder: the second claim fails

@@ -15,7 +15,8 @@
     dl4py bench [overhead|throughput|time-to-accuracy|all] [--device auto|cpu|gpu] [--quick]
 
 Flags are shorthands for ``--set`` on the same keys, so every value is type-checked by
-the config schema. Errors print one line naming the key, layer or file at fault.
+the config schema. Errors print one line naming the key, layer or file at fault
+(``--debug`` or ``DL4PY_DEBUG=1``: the full traceback).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -96,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="a short smoke run; its figures are not for the record")
     bench.add_argument("--out", type=Path, help="results folder (default: benchmarks/results)")
     bench.add_argument("--benchmarks", type=Path, help="the benchmarks/ folder (default: the checkout's)")
+    for command in sub.choices.values():
+        command.add_argument("--debug", action="store_true",
+                             help="show the full traceback of any error (also DL4PY_DEBUG=1)")
     return parser
 
 
@@ -111,12 +117,40 @@ def _batch_size(text: str) -> int | str:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    debug = args.debug or os.environ.get("DL4PY_DEBUG", "") not in ("", "0")
+    commands = {"train": _train, "evaluate": _evaluate, "summary": _summary, "info": _info,
+                "sweep": _sweep, "memory": _memory, "bench": _bench}
+    # A problem with the user's input or machine is one line; a bug of dl4py's own keeps
+    # its traceback. --debug (or DL4PY_DEBUG=1) shows the traceback of everything.
+    # SIGTERM outside a fit (reading data, evaluating) stops as Ctrl-C does; a fit defers
+    # both to a step boundary and keeps a checkpoint.
+    signal.signal(signal.SIGTERM, _terminate)
     try:
-        return {"train": _train, "evaluate": _evaluate, "summary": _summary, "info": _info,
-                "sweep": _sweep, "memory": _memory, "bench": _bench}[args.command](args)
+        return commands[args.command](args)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"dl4py {args.command}: stopped", file=sys.stderr)
+        return 130
     except DL4PyError as exc:
+        if debug:
+            raise
         print(f"dl4py {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        if debug:
+            raise
+        print(f"dl4py {args.command}: error: {_os_error_text(exc)}", file=sys.stderr)
+        return 1
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _os_error_text(exc: OSError) -> str:
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    return f"{exc.filename}: {reason}" if exc.filename else reason
 
 
 def _train(args) -> int:

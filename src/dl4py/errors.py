@@ -31,3 +31,37 @@ class WorkerError(DL4PyError):
     def __init__(self, rank: int, device: str, detail: str):
         self.rank, self.device, self.detail = rank, device, detail
         super().__init__(f"worker {rank} (device {device}) failed: {detail}")
+
+
+class StorageError(DL4PyError):
+    """The operating system refused a file operation (disk full, no permission, not a
+    directory, read-only file system); names the path and the cause."""
+
+    def __init__(self, action: str, path, cause: OSError):
+        self.path, self.cause = path, cause
+        reason = cause.strerror or type(cause).__name__
+        super().__init__(f"cannot {action} {path}: {reason}")
+
+
+class ModelFileError(DataError):
+    """A model or checkpoint file cannot be read: ``FILE is not a valid dl4py model: WHAT``."""
+
+    def __init__(self, path, what: str):
+        self.path, self.what = str(path), what
+        super().__init__(f"{path} is not a valid dl4py model: {what}")
+
+    def __reduce__(self):  # the default would call __init__ with the message alone
+        return type(self), (self.path, self.what)
+
+
+class DataSizeError(DataError, ValueError):
+    """A limit asks for more examples than the data set holds. Also a ValueError, as it
+    was before it had its own class; ``limit`` and ``available`` let a caller name its key."""
+
+    def __init__(self, limit: int, available: int, source: str = ""):
+        self.limit, self.available, self.source = limit, available, source
+        where = f"{source}: " if source else ""
+        super().__init__(f"{where}limit={limit} exceeds the {available} examples available")
+
+    def __reduce__(self):
+        return type(self), (self.limit, self.available, self.source)

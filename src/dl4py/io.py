@@ -1,4 +1,9 @@
-"""Atomic file writes: a reader sees the old file or the new one, never half of one."""
+"""Atomic file writes: a reader sees the old file or the new one, never half of one.
+
+When the operating system refuses (disk full, no permission, read-only file system), the
+previous file stays as it was, the temporary file is removed, and the error is a
+StorageError naming the file and the cause.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +12,30 @@ import os
 import tempfile
 from pathlib import Path
 
+from dl4py.errors import StorageError
+
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise StorageError("write", path, exc) from exc
+    try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide the file from the user's group
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with_suppressed_unlink(tmp)
+        if isinstance(exc, OSError):
+            raise StorageError("write", path, exc) from exc
         raise
     _fsync_dir(path.parent)
+
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
@@ -37,6 +51,12 @@ def with_suppressed_unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # the only way to read it is to set it
+    os.umask(mask)
+    return mask
 
 
 def _fsync_dir(directory: Path) -> None:

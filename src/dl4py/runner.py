@@ -8,21 +8,24 @@ The directory holds ``config.yaml`` (the resolved config), ``environment.json``
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import platform
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
 
 import torch
 
 from dl4py.backend.cuda_environment import environment
 from dl4py.config.run import DataConfig, RunConfig
-from dl4py.errors import ConfigError
+from dl4py.errors import ConfigError, DataSizeError, TrainingError
 from dl4py.io import atomic_write_json, atomic_write_text
 from dl4py.nn.network import MultiLayerNetwork
 from dl4py.nn.serialization import load
+from dl4py.resume import check_resume
+from dl4py.run_dir import CHECKPOINT, MODEL, RunRecord, prepare_run_dir, remove_new_run, saved_files
 from dl4py.train.listeners import (
     CheckpointListener,
     MetricsLogger,
@@ -34,8 +37,6 @@ from dl4py.train.loop import TrainingInterrupted
 
 log = logging.getLogger("dl4py")
 
-CHECKPOINT = "checkpoint.dl4py"
-MODEL = "model.dl4py"
 
 
 def make_iterators(data: DataConfig, batch_size: int, input_shape: tuple[int, ...]):
@@ -54,8 +55,10 @@ def make_iterators(data: DataConfig, batch_size: int, input_shape: tuple[int, ..
                 skip_lines=data.skip_lines, shuffle=shuffle, seed=data.seed, limit=limit,
             )
 
-        train = csv(data.train_path, data.limit_train, data.shuffle)
-        test = csv(data.test_path, data.limit_test, False) if data.test_path else None
+        with _limit_named("data.limit_train"):
+            train = csv(data.train_path, data.limit_train, data.shuffle)
+        with _limit_named("data.limit_test"):
+            test = csv(data.test_path, data.limit_test, False) if data.test_path else None
     if tuple(train.input_shape()) != tuple(input_shape):
         raise ConfigError(
             "network.input_type",
@@ -65,18 +68,13 @@ def make_iterators(data: DataConfig, batch_size: int, input_shape: tuple[int, ..
     return train, test
 
 
-def new_run_dir(config_name: str, root: Path = Path("runs")) -> Path:
-    """A fresh directory; exclusive creation, so two runs never share one."""
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    root.mkdir(parents=True, exist_ok=True)
-    for n in range(1, 1000):
-        path = root / (f"{config_name}-{stamp}" + (f"-{n}" if n > 1 else ""))
-        try:
-            path.mkdir()
-            return path
-        except FileExistsError:
-            continue
-    raise RuntimeError(f"cannot create a new run directory under {root}")
+@contextlib.contextmanager
+def _limit_named(key: str):
+    """A limit beyond the data's size, named by its config key."""
+    try:
+        yield
+    except DataSizeError as exc:
+        raise ConfigError(key, f"is {exc.limit}, more than the {exc.available} examples of {exc.source}") from None
 
 
 def environment_record(model) -> dict:
@@ -106,20 +104,37 @@ def train_run(
     config_name: str = "run",
     progress: bool | None = None,
 ) -> dict:
-    """Train as ``config`` says, record everything in the run directory, return ``result.json``'s content."""
+    """Train as ``config`` says, record everything in the run directory, return ``result.json``'s content.
+
+    The run directory is locked for the whole run (one writer). However the run ends,
+    it says so: ``result.json`` has ``status`` completed, interrupted or failed (with the
+    reason and what was saved); a run that fails before training starts leaves no
+    directory behind that it created."""
     started = time.perf_counter()
-    run_dir = _prepare_run_dir(output, resume, config_name)
+    run_dir, lock, created = prepare_run_dir(output, resume, config_name)
+    record = RunRecord(run_dir, config, started)
+    try:
+        return _train_locked(config, run_dir, resume, progress, record)
+    except TrainingInterrupted:
+        raise  # its result.json is written where it was caught
+    except BaseException as exc:
+        if record.training_started:
+            record.failed(exc, _known_fields(record))
+        elif not resume:
+            remove_new_run(run_dir, created)
+        raise
+    finally:
+        lock.release()
+
+
+def _train_locked(config: RunConfig, run_dir: Path, resume: bool, progress, record: RunRecord) -> dict:
     environment().update_from_config(config.environment)  # the config names what it sets
     network = config.network
     model = MultiLayerNetwork(network, backend=config.training.backend, precision=config.training.precision)
     checkpoint = run_dir / CHECKPOINT
     if resume:
-        saved = RunConfig.from_file(run_dir / "config.yaml")
-        if saved.network != network:
-            raise ConfigError(
-                "network", f"differs from the network of the run being resumed in {run_dir}; resume with its config.yaml"
-            )
         model = load(checkpoint, backend=config.training.backend, precision=config.training.precision)
+        check_resume(config, model, run_dir)
         log.info("resuming %s at epoch %d, iteration %d", run_dir, model.epoch_count, model.iteration_count)
     model.init()
     auto = config.training.batch_size == "auto"
@@ -131,6 +146,7 @@ def train_run(
             iterator.batch_size = config.training.batch_size  # the data read once, batched as chosen
     atomic_write_text(run_dir / "config.yaml", config.to_yaml())
     atomic_write_json(run_dir / "environment.json", environment_record(model))
+    record.config, record.model = config, model
 
     epochs_left = max(config.training.epochs - model.epoch_count, 0)
     metrics = MetricsLogger(run_dir / "metrics.jsonl", every=config.training.score_every)
@@ -142,6 +158,7 @@ def train_run(
 
     result = {"status": "running", "run_dir": str(run_dir)}
     stopping = None
+    record.training_started = True
     try:
         if config.training.early_stopping is None:
             summaries = _fit(model, config.training, train, epochs_left, listeners)
@@ -149,21 +166,54 @@ def train_run(
             summaries = []
             stopping = _fit_early_stopping(model, config, train, test, run_dir, listeners)
             result["early_stopping"] = stopping.to_dict()
+            record.early_stopping = result["early_stopping"]
     except TrainingInterrupted:
-        result.update(_result_fields(config, model, [], None, started), status="interrupted")
+        result.update(result_fields(config, model, [], None, record.started), status="interrupted",
+                      saved=saved_files(run_dir))
         atomic_write_json(run_dir / "result.json", result)
         raise
-    if stopping is not None and stopping.best_model_epoch >= 0:
-        # The run's model is the best one (the last is the checkpoint), where the run trained.
-        model = stopping.best_model(backend=model.backend)
+    if stopping is not None:
+        model = _early_stopping_model(stopping, model)
+        record.model = model
     evaluation = model.evaluate(test) if test is not None else None
     model.save(run_dir / MODEL)
     if evaluation is not None:
         atomic_write_text(run_dir / "evaluation.txt", evaluation.stats())
         metrics.write({"kind": "evaluation", "epoch": model.epoch_count, **_eval_fields(evaluation)})
-    result.update(_result_fields(config, model, summaries, evaluation, started), status="completed")
+    result.update(result_fields(config, model, summaries, evaluation, record.started), status="completed")
     atomic_write_json(run_dir / "result.json", result)
     return result
+
+
+def _known_fields(record: RunRecord) -> dict:
+    """What a failed run's result can still say of its training."""
+    if record.model is None:
+        return {}
+    try:
+        return result_fields(record.config, record.model, [], None, record.started)
+    except Exception:  # the record of a failure must not fail on a broken model
+        return {}
+
+
+def _early_stopping_model(stopping, model):
+    """The run's model after early stopping: the best one (the last is the checkpoint),
+    where the run trained. Training that ended in an error, or on a NaN loss before any
+    epoch was scored, has no model worth evaluating: a TrainingError says why."""
+    from dl4py.train.early_stopping.configuration import ERROR
+
+    if stopping.best_model_epoch >= 0:
+        return stopping.best_model(backend=model.backend)
+    if stopping.termination_reason == ERROR:
+        raise TrainingError(f"early stopping ended in an error: {stopping.termination_details}")
+    last = None if model._last_score is None else float(model._last_score)
+    if last is not None and not math.isfinite(last):
+        raise TrainingError(f"training stopped ({stopping.termination_details}) with a loss of {last} before any "
+                            f"epoch was scored, so there is no best model; {_nan_remedy(model)}")
+    return model
+
+
+def _nan_remedy(model) -> str:
+    return f"lower the learning rate or check the data (precision '{model.precision.name}')"
 
 
 def _resolve_batch_size(config: RunConfig, model, train, resumed_dir: Path | None = None) -> RunConfig:
@@ -240,24 +290,6 @@ def _fit_early_stopping(model, config: RunConfig, train, test, run_dir: Path, li
     return EarlyStoppingParallelTrainer(es_config, model, train, listeners=worker_listeners, **options).fit()
 
 
-def _prepare_run_dir(output, resume: bool, config_name: str) -> Path:
-    if output is None:
-        if resume:
-            raise ConfigError("--resume", "needs --output: the run directory to continue")
-        return new_run_dir(config_name)
-    run_dir = Path(output)
-    if resume:
-        if not (run_dir / CHECKPOINT).exists():
-            raise ConfigError("--resume", f"{run_dir} holds no {CHECKPOINT} to resume from")
-        return run_dir
-    if run_dir.exists() and any(run_dir.iterdir()):
-        raise ConfigError(
-            "--output", f"{run_dir} already holds files; choose another directory or pass --resume to continue it"
-        )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
-
-
 def _eval_fields(evaluation) -> dict:
     return {
         "test_accuracy": evaluation.accuracy(),
@@ -268,7 +300,7 @@ def _eval_fields(evaluation) -> dict:
     }
 
 
-def _result_fields(config: RunConfig, model, summaries, evaluation, started: float) -> dict:
+def result_fields(config: RunConfig, model, summaries, evaluation, started: float) -> dict:
     examples = sum(s.examples for s in summaries)
     seconds = sum(s.seconds for s in summaries)
     fields = {

@@ -84,9 +84,9 @@ class NetworkConfig(ConfigBase):
 
     @classmethod
     def from_yaml(cls, text: str) -> "NetworkConfig":
-        import yaml
+        from dl4py.config.yaml_loader import load_yaml
 
-        return cls.from_dict(yaml.safe_load(text))
+        return cls.from_dict(load_yaml(text))
 
     @staticmethod
     def builder() -> "NetworkConfigBuilder":

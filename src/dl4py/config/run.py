@@ -19,6 +19,7 @@ import yaml
 
 from dl4py.config.network import NetworkConfig
 from dl4py.config.schema import ConfigBase, dataclass_from_dict, join
+from dl4py.config.yaml_loader import load_yaml
 from dl4py.errors import ConfigError
 
 Precision = Literal["float", "double", "half", "bfloat16", "mixed-fp16", "mixed-bf16"]
@@ -42,6 +43,15 @@ class DataConfig(ConfigBase):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(join(where, name), f"must be positive, got {value}")
+        if self.dataset == "mnist":  # its size is fixed: refuse a limit before reading anything
+            from dl4py.data.mnist import EXAMPLES
+
+            for name, split in (("limit_train", "train"), ("limit_test", "test")):
+                value = getattr(self, name)
+                if value is not None and value > EXAMPLES[split]:
+                    raise ConfigError(
+                        join(where, name), f"is {value}, more than the {EXAMPLES[split]} examples of MNIST's {split} set"
+                    )
         if self.dataset == "csv" and not self.train_path:
             raise ConfigError(join(where, "train_path"), "is required when dataset is 'csv'")
         if self.dataset != "csv":
@@ -170,11 +180,15 @@ class RunConfig(ConfigBase):
     def from_file(cls, path: str | Path) -> "RunConfig":
         path = Path(path)
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigError(str(path), f"cannot read config file: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:  # a binary file (a model, an archive) given by mistake
+            raise ConfigError(
+                str(path), f"is not a text file (byte {exc.start} is not UTF-8); a config is YAML or JSON text"
+            ) from None
         try:
-            data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+            data = json.loads(text) if path.suffix == ".json" else load_yaml(text)
         except (json.JSONDecodeError, yaml.YAMLError) as exc:
             raise ConfigError(str(path), f"is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from None
         try:
@@ -198,7 +212,7 @@ class RunConfig(ConfigBase):
                 raise ConfigError(assignment, "an override must look like key=value, e.g. training.epochs=3")
             key = key.strip()
             try:
-                value = yaml.safe_load(raw)
+                value = load_yaml(raw)
             except yaml.YAMLError:
                 value = raw
             _assign(data, key, value)

@@ -9,11 +9,15 @@ defaults included, so a saved config is complete and round-trips unchanged.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from typing import Any, Literal, Union, get_args, get_origin
 
 from dl4py.errors import ConfigError
+
+# A decimal number as written in a config: 0.01, 1e-3, -2.5E+4 (not "nan", "inf" or "0x10").
+_NUMBER = re.compile(r"\s*[-+]?(?:\d[\d_]*(?:\.[\d_]*)?|\.\d[\d_]*)(?:[eE][-+]?\d+)?\s*\Z")
 
 
 def join(where: str, key: str | int) -> str:
@@ -83,6 +87,9 @@ def coerce(value: Any, tp, where: str) -> Any:
             raise ConfigError(where, f"must be an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str) and _NUMBER.match(value):
+            # "1e-3" from JSON, a Python dict or a YAML 1.1 reader: the number every user means
+            return float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(where, f"must be a number, got {value!r}")
         return float(value)

@@ -39,6 +39,7 @@ class CsvDataSetIterator(ArrayDataSetIterator):
         drop_last: bool = False,
     ):
         self.path = Path(path)
+        self._source = str(self.path)
         skip_lines = _non_negative_int(skip_lines, "skip_lines")
         if not isinstance(delimiter, str) or not delimiter:
             raise ValueError(f"delimiter must be a non-empty str, got {delimiter!r}")
@@ -70,10 +71,17 @@ class CsvDataSetIterator(ArrayDataSetIterator):
             labels = raw_labels.astype(np.int64)
 
         self.label_index = label_index
+        self._label_column, self._skip_lines = col, skip_lines
         super().__init__(
             features, labels, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
             limit=limit, num_classes=num_classes,
         )
+
+
+    def locate(self, index: int) -> str:
+        # Line numbers are found only now, for a message: loading stays one fast read.
+        line = _data_lines(self.path, self._skip_lines)[index]
+        return f"{self.path}: line {line}, column {self._label_column + 1}"
 
 
 def _read_table(path: Path, skip_lines: int, delimiter: str) -> np.ndarray:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from dl4py.data.dataset import DataSet
-from dl4py.errors import DataError
+from dl4py.errors import DataError, DataSizeError
 
 __all__ = ["DataSetIterator", "ArrayDataSetIterator"]
 
@@ -43,6 +43,17 @@ class DataSetIterator:
 
     def input_shape(self) -> tuple[int, ...]:
         raise NotImplementedError
+
+    def max_label(self) -> tuple[int, int] | None:
+        """The largest class label and its example's index, found when the data was loaded,
+        so a model checks every label against its output layer once, before training.
+        None: regression targets, or an iterator that cannot tell without reading its batches
+        (the trainer then checks the first batch only)."""
+        return None
+
+    def locate(self, index: int) -> str:
+        """Where example ``index`` comes from, for messages (a CSV names its file and line)."""
+        return f"example {index}"
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next ``__iter__`` use the order of ``epoch``; later ones continue from it."""
@@ -79,6 +90,14 @@ class WrappedIterator(DataSetIterator):
     def input_shape(self) -> tuple[int, ...]:
         return self.iterator.input_shape()
 
+    def max_label(self) -> tuple[int, int] | None:
+        inner = getattr(self.iterator, "max_label", None)  # user iterators may predate it
+        return inner() if inner is not None else None
+
+    def locate(self, index: int) -> str:
+        inner = getattr(self.iterator, "locate", None)
+        return inner(index) if inner is not None else f"example {index}"
+
     def set_epoch(self, epoch: int) -> None:
         if hasattr(self.iterator, "set_epoch"):
             self.iterator.set_epoch(epoch)
@@ -98,6 +117,8 @@ class ArrayDataSetIterator(DataSetIterator):
     >>> [b.num_examples() for b in it]
     [4, 4, 2]
     """
+
+    _source = ""  # what the data is, for messages ("" for arrays; a CSV names its file)
 
     def __init__(
         self,
@@ -133,7 +154,7 @@ class ArrayDataSetIterator(DataSetIterator):
             raise DataError("features and labels are empty (0 rows)")
         if self.limit is not None:
             if self.limit > n:
-                raise ValueError(f"limit={self.limit} exceeds the {n} examples available")
+                raise DataSizeError(self.limit, n, self._source)
             # Limit before converting: the dtype copy then only touches kept rows.
             features, labels = features[: self.limit], labels[: self.limit]
             n = self.limit
@@ -142,7 +163,7 @@ class ArrayDataSetIterator(DataSetIterator):
                 f"drop_last=True with batch_size={self.batch_size} and only {n} examples leaves no batch"
             )
 
-        self.labels, self._num_classes = _prepare_labels(labels, num_classes)
+        self.labels, self._num_classes, self._max_label = _prepare_labels(labels, num_classes)
         self.features = features.to(torch.float32).contiguous()
         self._n = n
 
@@ -161,6 +182,9 @@ class ArrayDataSetIterator(DataSetIterator):
 
     def input_shape(self) -> tuple[int, ...]:
         return tuple(self.features.shape[1:])
+
+    def max_label(self) -> tuple[int, int] | None:
+        return self._max_label
 
     def __iter__(self) -> Iterator[DataSet]:
         # The epoch is taken now, not at the first next(), so iter() order is what counts.
@@ -191,25 +215,29 @@ class ArrayDataSetIterator(DataSetIterator):
         )
 
 
-def _prepare_labels(labels: torch.Tensor, num_classes: int | None) -> tuple[torch.Tensor, int | None]:
+def _prepare_labels(labels: torch.Tensor, num_classes: int | None):
+    """-> (labels, num_classes, (largest label, its row) or None for float targets)."""
     is_integer = not (labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool)
     if labels.dim() == 1 and is_integer:
         labels = labels.to(torch.int64).contiguous()
-        low, high = int(labels.min()), int(labels.max())
+        # Every label is looked at here, once: the model then compares one number with its
+        # output layer instead of checking each batch (a device sync per step).
+        low, top_row = int(labels.min()), int(labels.argmax())
+        high = int(labels[top_row])
         if low < 0:
             row = int((labels < 0).nonzero()[0])
             raise DataError(f"labels must be class indices >= 0, got {low} (row {row})")
         if num_classes is None:
-            return labels, high + 1
+            return labels, high + 1, (high, top_row)
         num_classes = _positive_int(num_classes, "num_classes")
         if high >= num_classes:
             row = int((labels >= num_classes).nonzero()[0])
             raise DataError(f"labels must be < num_classes={num_classes}, got {high} (row {row})")
-        return labels, num_classes
+        return labels, num_classes, (high, top_row)
     if labels.dim() == 2 and labels.is_floating_point():
         if num_classes is not None:
             raise ValueError("num_classes applies to class-index labels only; these are 2-D float targets")
-        return labels.to(torch.float32).contiguous(), None
+        return labels.to(torch.float32).contiguous(), None, None
     hint = ""
     if labels.dim() == 1 and labels.is_floating_point():
         hint = "; for a regression target use labels.reshape(-1, 1), for classes convert to an integer dtype"

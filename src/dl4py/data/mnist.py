@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from dl4py.data.iterators import ArrayDataSetIterator, _positive_int
-from dl4py.errors import DataError
+from dl4py.errors import DataError, DataSizeError
 
 __all__ = ["MnistDataSetIterator", "load_mnist"]
 
@@ -41,6 +41,9 @@ _MIRRORS = (
     "https://storage.googleapis.com/cvdf-datasets/mnist/",
     "http://yann.lecun.com/exdb/mnist/",
 )
+# Examples per split of the files above (their SHA-256 fixes them): a config's limits are
+# checked against these before anything is read.
+EXAMPLES = {"train": 60_000, "test": 10_000}
 _TIMEOUT_S = 30
 _IMAGES_MAGIC, _LABELS_MAGIC = 2051, 2049  # 0x0803: uint8, 3 dims; 0x0801: uint8, 1 dim
 _FIX = "Delete it and run again to re-download it, or replace it with a good copy"
@@ -74,7 +77,7 @@ class MnistDataSetIterator(ArrayDataSetIterator):
         n = len(labels)
         k = n if limit is None else _positive_int(limit, "limit")
         if k > n:
-            raise ValueError(f"limit={limit} exceeds the {n} examples available")
+            raise DataSizeError(k, n, f"MNIST {'training' if train else 'test'} set")
         # Scale only the kept rows. The cached arrays are read-only and these are new
         # copies, so no iterator can change another's data.
         features = torch.from_numpy(images[:k].reshape(k, 28 * 28).astype(np.float32)).div_(255)

@@ -99,6 +99,11 @@ class Model:
     def check_labels(self, labels: torch.Tensor, where: str) -> None:
         """Raise DataError when ``labels`` do not fit the output layer."""
 
+    def check_data(self, iterator) -> None:
+        """Raise DataError when any label of ``iterator`` does not fit the output layer. Called
+        once before training: it reads what the iterator found when it loaded its data
+        (``max_label``), so it costs nothing per step."""
+
     # ---- life cycle -------------------------------------------------------------------
     def init(self) -> "Model":
         """Create the parameters on the chosen backend, in the chosen precision. Idempotent."""
@@ -169,7 +174,9 @@ class Model:
         """
         from dl4py.train.loop import fit
 
-        return fit(self, as_iterator(data, batch_size), epochs, list(listeners))
+        iterator = as_iterator(data, batch_size)
+        self.check_data(iterator)  # every label, before the first step rather than at a torch error
+        return fit(self, iterator, epochs, list(listeners))
 
     def request_stop(self, reason: str) -> None:
         """Ask the running ``fit`` to stop after the current step (used by early stopping)."""

@@ -88,6 +88,16 @@ class MultiLayerNetwork(Model):
                 f"{self.n_out} outputs: give [n] class indices or [n, {self.n_out}] targets"
             )
 
+    def check_data(self, iterator) -> None:
+        found = iterator.max_label() if hasattr(iterator, "max_label") else None
+        if found is not None and found[0] >= self.n_out:
+            value, index = found
+            where = iterator.locate(index) if hasattr(iterator, "locate") else f"example {index}"
+            raise DataError(
+                f"{where}: label {value} is outside the output layer's {self.n_out} classes "
+                f"(network.layers[{len(self.config.layers) - 1}].n_out={self.n_out}): labels must be in [0, {self.n_out})"
+            )
+
     def summary(self) -> str:
         """Per layer: type, input and output shapes, parameter count; then the total."""
         self.init()

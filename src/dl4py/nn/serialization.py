@@ -4,8 +4,9 @@ Entries: ``meta.json`` (format, kind, counters, precision, versions), ``config.j
 (MultiLayerNetwork only: the network is rebuilt by its constructor), ``weights.safetensors``
 (parameters and buffers, in the model's precision), ``master.safetensors`` (the float32
 master weights of ``half``/``bfloat16`` models), and when asked ``updater.json`` +
-``updater.safetensors`` (the optimizer's state; the loss scaler's state is in meta.json). The file is written to a temporary name and renamed, so a crash
-mid-save leaves the previous file intact.
+``updater.safetensors`` (the optimizer's state; the loss scaler's state is in meta.json). The file is written to a
+temporary name and renamed, so a crash mid-save leaves the previous file intact. Reading is
+``model_file.read_model_file``: every entry checked, every defect one error naming the file.
 """
 
 from __future__ import annotations
@@ -13,17 +14,13 @@ from __future__ import annotations
 import io
 import json
 import zipfile
-from pathlib import Path
 
 import torch
-from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from dl4py.errors import DataError
 from dl4py.io import atomic_write_bytes
-
-FORMAT = "dl4py-model"
-FORMAT_VERSION = 1
+from dl4py.nn.model_file import FORMAT, FORMAT_VERSION, ModelFile, read_model_file
 _KERNEL_KEYS = ("foreach", "fused")  # torch.optim's implementation flags
 
 
@@ -71,72 +68,65 @@ def load(path, into=None, backend=None, precision=None):
     """Restore a saved model (a path, or the bytes of a model file). A MultiLayerNetwork is
     rebuilt from its config; a TorchModel's weights are loaded ``into`` a TorchModel you
     construct with the same module class."""
-    from dl4py.config.network import NetworkConfig
     from dl4py.nn.network import MultiLayerNetwork
 
-    path = path if isinstance(path, (bytes, bytearray)) else Path(path)
-    entries, meta = _read_checked(path)
-    precision = precision or meta["precision"]
+    saved = read_model_file(path)
+    meta = saved.meta
     if meta["kind"] == "multilayer":
         if into is not None:
-            raise ValueError(f"{path} holds a MultiLayerNetwork; it is rebuilt from its config, drop into=")
-        config = NetworkConfig.from_json(entries["config.json"].decode())
-        model = MultiLayerNetwork(config, backend=backend, precision=precision)
+            raise ValueError(f"{saved.path} holds a MultiLayerNetwork; it is rebuilt from its config, drop into=")
+        model = MultiLayerNetwork(saved.config, backend=backend, precision=precision or meta["precision"])
     else:
         if into is None:
             raise DataError(
-                f"{path} holds the weights of a plain torch module ({meta['module_class']}); rebuild it "
+                f"{saved.path} holds the weights of a plain torch module ({meta['module_class']}); rebuild it "
                 "and pass it: dl4py.load(path, into=TorchModel(MyModule(), loss, optimizer))"
             )
         model = into
     model.init()
-    _restore(model, entries, meta, path)
+    _restore(model, saved)
     return model
 
 
 def restore_state(model, path) -> None:
     """Load a saved model's weights, updater state and counters into ``model`` (same architecture)."""
-    path = path if isinstance(path, (bytes, bytearray)) else Path(path)
-    entries, meta = _read_checked(path)
+    saved = read_model_file(path)
     model.init()
-    _restore(model, entries, meta, path)
+    _restore(model, saved)
 
 
-def _read_checked(path) -> tuple[dict[str, bytes], dict]:
-    entries = _read_entries(path)
-    meta = json.loads(entries["meta.json"])
-    if meta.get("format") != FORMAT:
-        raise DataError(f"{path}: not a dl4py model file (format {meta.get('format')!r})")
-    if meta["format_version"] > FORMAT_VERSION:
-        raise DataError(
-            f"{path}: saved by a newer dl4py (format {meta['format_version']}); upgrade dl4py to read it"
-        )
-    return entries, meta
-
-
-def _restore(model, entries: dict[str, bytes], meta: dict, path: Path) -> None:
-    weights = st_load(entries["weights.safetensors"])
+def _restore(model, saved: ModelFile) -> None:
+    # The file is well formed (read_model_file checked it); what can still fail is its fit
+    # to this model: names, shapes and optimizer groups.
+    meta, path = saved.meta, saved.path
     try:
-        model.module.load_state_dict(weights)
+        model.module.load_state_dict(saved.weights)
     except RuntimeError as exc:
         raise DataError(f"{path}: the saved weights do not fit the model: {exc}") from None
-    _restore_masters(model, st_load(entries["master.safetensors"]) if "master.safetensors" in entries else None)
-    if meta.get("has_updater") and "updater.json" in entries:
-        state = _join_optimizer_state(
-            json.loads(entries["updater.json"]), st_load(entries["updater.safetensors"])
-        )
+    try:
+        _restore_masters(model, saved.masters)
+    except (KeyError, RuntimeError, AttributeError) as exc:
+        raise DataError(f"{path}: the saved float32 master weights do not fit the model: {exc!r}") from None
+    if saved.updater is not None:
+        state = saved.updater
         # Which kernel steps the parameters is the environment's choice, not the file's; torch
         # casts the loaded state (step counters) for the kernel named in the groups it is given.
-        for saved, current in zip(state["param_groups"], model.optimizer.param_groups):
-            saved.update({key: current[key] for key in _KERNEL_KEYS if key in current})
-        model.optimizer.load_state_dict(state)
+        for group, current in zip(state["param_groups"], model.optimizer.param_groups):
+            group.update({key: current[key] for key in _KERNEL_KEYS if key in current})
+        try:
+            model.optimizer.load_state_dict(state)
+        except (ValueError, KeyError, TypeError, RuntimeError, IndexError) as exc:
+            raise DataError(f"{path}: the saved updater state does not fit the model's optimizer: {exc!r}") from None
         _match_parameter_layouts(model.optimizer)
     model.epoch_count = meta["epoch_count"]
     model.iteration_count = meta["iteration_count"]
-    model.batch_in_epoch = meta.get("batch_in_epoch", 0)
-    model.update_count = meta.get("update_count", model.iteration_count)
+    model.batch_in_epoch = meta["batch_in_epoch"]
+    model.update_count = meta["update_count"]
     if model.scaler is not None and meta.get("scaler"):
-        model.scaler.load_state_dict(meta["scaler"])
+        try:
+            model.scaler.load_state_dict(meta["scaler"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise DataError(f"{path}: the saved loss scaler state is not usable: {exc!r}") from None
     if meta.get("score") is not None:
         model._last_score = torch.tensor(meta["score"])
 
@@ -151,24 +141,6 @@ def _restore_masters(model, masters: dict[str, torch.Tensor] | None) -> None:
     elif masters is not None:
         for name, value in masters.items():
             model.module.get_parameter(name).copy_(value)
-
-
-def _read_entries(path) -> dict[str, bytes]:
-    source = io.BytesIO(path) if isinstance(path, (bytes, bytearray)) else path
-    if source is not path:
-        path = "<model bytes>"
-    try:
-        # ZipFile.read checks each entry's CRC, so a flipped byte is caught here.
-        with zipfile.ZipFile(source) as zf:
-            entries = {name: zf.read(name) for name in zf.namelist()}
-    except FileNotFoundError:
-        raise DataError(f"{path}: no such model file") from None
-    except zipfile.BadZipFile as exc:
-        raise DataError(f"{path}: not a readable dl4py model file ({exc}); it may be truncated") from None
-    for required in ("meta.json", "weights.safetensors"):
-        if required not in entries:
-            raise DataError(f"{path}: missing entry {required}; not a complete dl4py model file")
-    return entries
 
 
 def _cpu_tensors(tensors: dict) -> dict[str, torch.Tensor]:
@@ -202,17 +174,3 @@ def _match_parameter_layouts(optimizer) -> None:
             for name, value in state.items():
                 if torch.is_tensor(value) and value.shape == param.shape and value.stride() != param.stride():
                     state[name] = torch.empty_like(param, dtype=value.dtype).copy_(value)
-
-
-def _join_optimizer_state(state_json: dict, tensors: dict[str, torch.Tensor]) -> dict:
-    state: dict[int, dict] = {}
-    for key, value in tensors.items():
-        pid, name = key.split("/", 1)
-        state.setdefault(int(pid), {})[name] = value
-    for pid, entries in state_json["scalars"].items():
-        state.setdefault(int(pid), {}).update(entries)
-    groups = state_json["param_groups"]
-    for group in groups:
-        if isinstance(group.get("betas"), list):
-            group["betas"] = tuple(group["betas"])
-    return {"state": state, "param_groups": groups}

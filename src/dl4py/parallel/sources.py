@@ -9,7 +9,9 @@
 - ``StrideSource``: any other iterator under torchrun (no coordinator): every process
   iterates it and keeps every ``world``-th batch.
 
-Each yields ``(round_index, DataSet)`` for the rounds its worker trains in.
+Each yields ``(round_index, DataSet)`` for the rounds its worker trains in; ``start``
+(the batches of the epoch trained before a resume) are left out, and rounds count from
+there (``RoundPlan``).
 """
 
 from __future__ import annotations
@@ -44,9 +46,9 @@ class ShardedSource:
     def __init__(self, iterator: ArrayDataSetIterator):
         self.iterator = iterator
 
-    def batches(self, epoch: int, rank: int, world: int) -> Iterator[tuple[int, DataSet]]:
+    def batches(self, epoch: int, rank: int, world: int, start: int = 0) -> Iterator[tuple[int, DataSet]]:
         it = self.iterator
-        plan = RoundPlan(len(it), world)
+        plan = RoundPlan(len(it), world, start)
         size, stop = it.batch_size, it.total_examples()
         order = it.epoch_order(epoch) if it.shuffle else None
         # dl4py's own batching is replaced by a thread-friendly gather; a subclass that
@@ -79,12 +81,12 @@ class StrideSource:
     def __init__(self, iterator):
         self.iterator = iterator
 
-    def batches(self, epoch: int, rank: int, world: int) -> Iterator[tuple[int, DataSet]]:
+    def batches(self, epoch: int, rank: int, world: int, start: int = 0) -> Iterator[tuple[int, DataSet]]:
         if hasattr(self.iterator, "set_epoch"):
             self.iterator.set_epoch(epoch)
         for index, batch in enumerate(self.iterator):
-            if index % world == rank:
-                yield index // world, batch
+            if index >= start and (index - start) % world == rank:
+                yield (index - start) // world, batch
 
 
 class QueueSource:
@@ -95,8 +97,8 @@ class QueueSource:
         self.stop_event = stop_event
         self.timeout = timeout
 
-    def batches(self, epoch: int, rank: int, world: int) -> Iterator[tuple[int, DataSet]]:
-        round_index = 0
+    def batches(self, epoch: int, rank: int, world: int, start: int = 0) -> Iterator[tuple[int, DataSet]]:
+        round_index = 0  # the coordinator deals from ``start`` on
         while True:
             item = get_bounded(self.inbox, self.stop_event, self.timeout, f"batches for worker {rank}")
             if isinstance(item, str) and item == END_OF_EPOCH:
@@ -106,16 +108,21 @@ class QueueSource:
             round_index += 1
 
 
-def deal_batches(iterator, inboxes, epochs: int, first_epoch: int, stop_event, timeout: float) -> None:
-    """Coordinator side: batch ``b`` of each epoch goes to worker ``b % len(inboxes)``."""
+def deal_batches(iterator, inboxes, epochs: int, first_epoch: int, stop_event, timeout: float,
+                 first_batch: int = 0) -> None:
+    """Coordinator side: batch ``b`` of each epoch goes to worker ``b % len(inboxes)``; in the
+    first epoch, resumed at ``first_batch``, batch ``b`` goes to ``(b - first_batch) % len(inboxes)``."""
     expected = batches_per_epoch(iterator)
     for epoch in range(first_epoch, first_epoch + epochs):
         if hasattr(iterator, "set_epoch"):
             iterator.set_epoch(epoch)
+        start = first_batch if epoch == first_epoch else 0
         count = 0
         for index, batch in enumerate(iterator):
-            put_bounded(inboxes[index % len(inboxes)], (batch.features, batch.labels), stop_event, timeout)
             count += 1
+            if index < start:
+                continue  # trained before the resume
+            put_bounded(inboxes[(index - start) % len(inboxes)], (batch.features, batch.labels), stop_event, timeout)
         if count != expected:
             raise DataError(
                 f"{type(iterator).__name__} yielded {count} batches in epoch {epoch} but len() said {expected}"

@@ -4,6 +4,13 @@ The same code runs in a process the ParallelWrapper spawned and in a process tor
 launched. Each worker runs the single-device trainer's step function on its own batches;
 in averaging mode the replicas are averaged every ``averaging_frequency`` rounds and at
 the end of each epoch, in shared-gradients mode gradients are averaged every step.
+
+Stopping early (Ctrl-C or SIGTERM at the coordinator): at each averaging boundary (every
+round in shared-gradients mode) the workers vote on ``should_stop``; if any says yes, all
+stop after that same round, with the replicas just averaged. Voting only where the
+workers synchronise anyway keeps the averaging mode's rare synchronisation rare, and the
+stopped state is one an uninterrupted run passes through, so a resumed run continues
+exactly. The replica's ``batch_in_epoch`` then counts the epoch's batches trained.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from dl4py.parallel.averaging import (
 )
 from dl4py.parallel.plan import RoundPlan
 from dl4py.parallel.sources import Prefetcher, QueueSource
+from dl4py.process_guard import die_with_parent
 from dl4py.train.loop import EpochSummary, check_finite, epoch_rng
 from dl4py.train.step import make_train_step
 
@@ -67,9 +75,15 @@ def worker_device(spec: WorkerSpec, rank: int) -> torch.device:
     return torch.device(spec.devices[rank % len(spec.devices)])
 
 
-def spawned_worker_main(rank, world, spec, init_method, backend, messages, inbox, stop_event, result_path):
+def spawned_worker_main(rank, world, spec, init_method, backend, messages, inbox, stop_event, result_path,
+                        parent_pid, interrupt_event):
     """Entry point of a process the ParallelWrapper started; reports to ``messages``."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the coordinator's to handle
+    die_with_parent(parent_pid)  # a killed coordinator leaves no worker training on
+    # Stopping is the coordinator's to decide: a terminal's Ctrl-C, or a SIGTERM sent to the
+    # whole process group (`kill -- -PGID`, `timeout`, systemd), reaches the workers too.
+    # The coordinator then asks them to stop at a round boundary (``interrupt_event``).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     device = worker_device(spec, rank)
     try:
         dist.init_process_group(
@@ -77,7 +91,7 @@ def spawned_worker_main(rank, world, spec, init_method, backend, messages, inbox
             timeout=timedelta(seconds=spec.timeout),
         )
         source = spec.source or QueueSource(inbox, stop_event, spec.timeout)
-        replica, report = train_replica(rank, world, spec, source)
+        replica, report = train_replica(rank, world, spec, source, interrupt_event.is_set)
         if rank == 0:
             replica.save(result_path)
         messages.put(("done", rank, report))
@@ -105,8 +119,9 @@ def build_replica(spec: WorkerSpec, device: torch.device):
     return model
 
 
-def train_replica(rank: int, world: int, spec: WorkerSpec, source):
-    """Train this worker's replica for ``spec.epochs`` epochs; returns it and a report."""
+def train_replica(rank: int, world: int, spec: WorkerSpec, source, should_stop=None):
+    """Train this worker's replica for ``spec.epochs`` epochs, or until ``should_stop()`` says
+    so on any worker (it must be given on all or none); returns the replica and a report."""
     device = worker_device(spec, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -131,23 +146,28 @@ def train_replica(rank: int, world: int, spec: WorkerSpec, source):
     listeners = spec.listeners if rank == 0 else []
     for listener in listeners:
         listener.on_fit_start(replica)
-    report = {"summaries": [], "records": [], "stop": None}
+    report = {"summaries": [], "records": [], "stop": None, "interrupted": False}
     controller = spec.controller
     if controller is not None:
         controller.start(replica.epoch_count)
     try:
         for _ in range(spec.epochs):
-            summary = _train_epoch(replica, step, rank, world, spec, source, device, report, listeners)
+            summary = _train_epoch(replica, step, rank, world, spec, source, device, report, listeners, should_stop)
             report["summaries"].append(summary.to_dict())
-            if report["stop"] is not None:
-                break  # an iteration condition fired on some worker: all stopped in the same round
+            if report["stop"] is not None or not summary.completed:
+                break  # an iteration condition fired, or a stop was asked for: all stopped in the same round
             for listener in listeners:
                 listener.on_epoch_end(replica, summary)
+            if report["interrupted"]:
+                break  # asked in the epoch's last round: the epoch is complete
             if controller is not None and _epoch_decision(replica, controller, rank, device, report):
                 break
     finally:
-        for listener in listeners:
-            listener.on_fit_end(replica, False)
+        # An interrupted fit ends in the coordinator, which owns the run directory: it
+        # restores this replica's state and calls on_fit_end(model, True) itself.
+        if not report["interrupted"]:
+            for listener in listeners:
+                listener.on_fit_end(replica, False)
     if spec.record_examples:
         report["records"] = torch.cat(report["records"]).tolist() if report["records"] else []
     if controller is not None and rank == 0:
@@ -179,10 +199,18 @@ def _iteration_stop(controller, last_loss, mine: bool, device) -> str | None:
     return next((f"{r} (worker {i})" for i, r in enumerate(reasons) if r is not None), "iteration condition")
 
 
-def _train_epoch(replica, step, rank, world, spec, source, device, report, listeners) -> EpochSummary:
+def _stop_vote(wanted: bool, device) -> bool:
+    """True on every worker if any of them wants to stop."""
+    flag = torch.tensor([1.0 if wanted else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() > 0
+
+
+def _train_epoch(replica, step, rank, world, spec, source, device, report, listeners, should_stop) -> EpochSummary:
     epoch = replica.epoch_count
-    plan = RoundPlan(spec.num_batches, world)
-    if plan.rounds and plan.batches < world:
+    start = replica.batch_in_epoch  # > 0: resumed after an interrupt part-way through this epoch
+    plan = RoundPlan(spec.num_batches, world, start)
+    if spec.num_batches and spec.num_batches < world:
         raise DataError(
             f"the data has {plan.batches} batches per epoch but there are {world} workers; "
             "use fewer workers or a smaller batch size"
@@ -193,7 +221,8 @@ def _train_epoch(replica, step, rank, world, spec, source, device, report, liste
     examples = batches = 0
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     last_loss, trained_since_average = None, False
-    prefetcher = Prefetcher(source.batches(epoch, rank, world), device, spec.prefetch,
+    rounds_done = 0
+    prefetcher = Prefetcher(source.batches(epoch, rank, world, start), device, spec.prefetch,
                             pin=environment().pinned_memory, timeout=spec.timeout)
     batches_in = iter(prefetcher)
     try:
@@ -226,11 +255,16 @@ def _train_epoch(replica, step, rank, world, spec, source, device, report, liste
                     # Only then: asking means a collective and a read of the loss every round.
                     stop = _iteration_stop(spec.controller, last_loss, mine, device)
                 last_round = plan.averages_after(round_index, spec.averaging_frequency)
+                halt = should_stop is not None and last_round and _stop_vote(should_stop(), device)
                 if spec.mode == "averaging" and (last_round or stop is not None):
                     _average(replica, spec, rank, round_index, last_loss, trained_since_average, device)
                     trained_since_average = False
+                rounds_done = round_index + 1
                 if stop is not None:
                     report["stop"] = ("IterationTerminationCondition", stop)
+                    break
+                if halt:
+                    report["interrupted"] = True
                     break
     finally:
         prefetcher.close()
@@ -239,10 +273,13 @@ def _train_epoch(replica, step, rank, world, spec, source, device, report, liste
     all_examples, all_batches, all_loss = int(totals[0]), int(totals[1]), float(totals[2])
     if spec.mode == "shared_gradients":
         replica._last_score = torch.tensor(all_loss / max(all_batches, 1))
-    completed = report["stop"] is None
+    completed = report["stop"] is None and rounds_done == plan.rounds
     if completed:
         check_finite(replica, totals[2], epoch)
         replica.epoch_count += 1
+        replica.batch_in_epoch = 0
+    else:
+        replica.batch_in_epoch = start + all_batches  # where a resumed run continues
     replica.iteration_count += all_batches
     return EpochSummary(epoch, all_batches, all_examples, all_loss / max(all_batches, 1),
                         time.perf_counter() - started, completed=completed)

@@ -8,10 +8,17 @@ Workers are processes on ``torch.distributed``; worker ``i`` runs on device
 ``devices[i % len(devices)]``. Started as a plain script, ``fit`` spawns the workers and
 watches them; under ``torchrun`` (any number of nodes) it runs as the launched process's
 worker instead. Afterwards ``model`` holds the averaged parameters (and updater state).
+
+Ctrl-C or SIGTERM while spawned workers train: the workers stop together after the next
+averaging round, worker 0's replica comes back, and the listeners' ``on_fit_end(model,
+interrupted=True)`` runs here (a CheckpointListener keeps a checkpoint that ``fit``
+continues from mid-epoch); then ``TrainingInterrupted``. A second signal stops at once.
+Spawned workers die with this process, even when it is killed outright.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
@@ -38,6 +45,7 @@ from dl4py.parallel.sources import (
     deal_batches,
 )
 from dl4py.parallel.worker import WorkerSpec, spawned_worker_main, train_replica
+from dl4py.train.interrupt import DeferredInterrupt
 from dl4py.train.loop import EpochSummary, TrainingInterrupted
 
 log = logging.getLogger("dl4py")
@@ -45,6 +53,9 @@ log = logging.getLogger("dl4py")
 MODES = ("averaging", "shared_gradients")
 POLL_SECONDS = 0.1
 GRACE_SECONDS = 3.0
+# More CPU workers than this many per core only thrash: each needs its own process, model
+# replica and memory, and they take turns on the cores.
+CPU_WORKERS_PER_CORE = 4
 SETTLE_SECONDS = 2.0
 # Signs in a worker's traceback that it failed only because a peer went away.
 LOST_PEER_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
@@ -171,50 +182,83 @@ class ParallelWrapper:
     def _fit_spawned(self, iterator, epochs, listeners, record) -> list[EpochSummary]:
         devices = self._resolve_devices()
         world = self.workers or (len(devices) if devices[0].startswith("cuda") else 2)
+        _check_world(world, devices, batches_per_epoch(iterator))  # before any process starts
         spec = self._spec(iterator, epochs, listeners, devices, world, record)
         if spec.torch_model is not None:
             spec.torch_model = _private_copy(spec.torch_model)
         _check_picklable(spec)
         ctx = mp.get_context("spawn")
-        with tempfile.TemporaryDirectory(prefix="dl4py-parallel-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="dl4py-parallel-") as tmp, DeferredInterrupt() as interrupt:
             spec.model_path = str(Path(tmp) / "model.dl4py")
             self.model.save(spec.model_path)
             result_path = str(Path(tmp) / "result.dl4py")
             init_method = f"file://{Path(tmp) / 'rendezvous'}"
             backend = self._process_group_backend(devices, world)
-            messages, stop_event = ctx.Queue(), ctx.Event()
+            # stop_event tears everything down; interrupt_event asks for a stop at a round boundary.
+            messages, stop_event, interrupt_event = ctx.Queue(), ctx.Event(), ctx.Event()
             inboxes = [ctx.Queue(maxsize=max(self.prefetch_buffer, 1)) for _ in range(world)] if spec.source is None else [None] * world
             procs = [
                 ctx.Process(
                     target=spawned_worker_main, name=f"dl4py-worker-{rank}", daemon=True,
-                    args=(rank, world, spec, init_method, backend, messages, inboxes[rank], stop_event, result_path),
+                    args=(rank, world, spec, init_method, backend, messages, inboxes[rank], stop_event, result_path,
+                          os.getpid(), interrupt_event),
                 )
                 for rank in range(world)
             ]
-            feeder = _Feeder(iterator, inboxes, epochs, self.model.epoch_count, stop_event, self.timeout) if spec.source is None else None
+            feeder = (_Feeder(iterator, inboxes, epochs, self.model.epoch_count, stop_event, self.timeout,
+                              self.model.batch_in_epoch) if spec.source is None else None)
+            patience = 0.0  # on any error, workers still running are killed at once
             try:
-                for proc in procs:
-                    proc.start()
+                with _children_ignore_stop_signals():
+                    for proc in procs:
+                        proc.start()
                 if feeder is not None:
                     feeder.start()
-                reports = self._watch(procs, spec, messages, feeder)
-            except KeyboardInterrupt:
-                raise TrainingInterrupted("parallel training stopped by Ctrl-C; every worker was stopped "
-                                          "and the model keeps its state from before this fit") from None
+                reports = self._watch(procs, spec, messages, feeder, interrupt, interrupt_event)
+                patience = GRACE_SECONDS  # they have reported and are exiting on their own
+            except KeyboardInterrupt:  # a second Ctrl-C / SIGTERM
+                raise TrainingInterrupted(f"parallel training stopped by {interrupt.cause or 'Ctrl-C'}; every worker "
+                                          "was stopped at once (second signal) and the model keeps its state from "
+                                          "before this fit") from None
             finally:
                 stop_event.set()
-                _stop_all(procs)
+                _stop_all(procs, patience)
             restore_state(self.model, result_path)
+            if interrupt.requested:
+                self._end_interrupted(listeners, interrupt.cause or "Ctrl-C")
         self.last_records = {rank: r["records"] for rank, r in reports.items()}
         self.last_report = reports[0]
         return [_summary(d) for d in reports[0]["summaries"]]
 
-    def _watch(self, procs, spec, messages, feeder) -> dict[int, dict]:
-        """Wait for every worker's report; the first failure stops them all and is raised."""
+    def _end_interrupted(self, listeners, cause: str) -> None:
+        """The model holds worker 0's state from the round the workers stopped after; the
+        listeners' interrupted end (a CheckpointListener's save) runs in this process, the
+        one that owns the run directory."""
+        for listener in listeners:
+            listener.on_fit_end(self.model, True)
+        model = self.model
+        raise TrainingInterrupted(
+            f"parallel training stopped by {cause}; every worker was stopped after a whole round, "
+            f"at iteration {model.iteration_count} (epoch {model.epoch_count}, batch {model.batch_in_epoch}); "
+            "the model is consistent"
+        )
+
+    def _watch(self, procs, spec, messages, feeder, interrupt, interrupt_event) -> dict[int, dict]:
+        """Wait for every worker's report; the first failure stops them all and is raised.
+        Once a stop is requested, the workers have ``timeout`` seconds to reach a round boundary."""
         reports: dict[int, dict] = {}
         failures: dict[int, tuple[str, str]] = {}  # rank -> (kind, detail)
-        settle_until = None
+        settle_until = stop_deadline = None
         while len(reports) < len(procs):
+            if interrupt.requested and stop_deadline is None:
+                interrupt_event.set()
+                stop_deadline = time.monotonic() + self.timeout
+                log.warning("%s: stopping the workers after the next averaging round and keeping the model; "
+                            "send it again to stop at once", interrupt.cause)
+            if stop_deadline is not None and time.monotonic() > stop_deadline:
+                raise TrainingInterrupted(
+                    f"parallel training stopped by {interrupt.cause}: the workers did not reach a round boundary "
+                    f"within timeout={self.timeout:.0f} s and were killed; the model keeps its state from before this fit")
             message = _get(messages, POLL_SECONDS)
             if message is not None and message[0] == "done":
                 reports[message[1]] = message[2]
@@ -290,9 +334,9 @@ class ParallelWrapper:
 class _Feeder(threading.Thread):
     """Deals a user iterator's batches to the workers' queues (any iterator, in this process)."""
 
-    def __init__(self, iterator, inboxes, epochs, first_epoch, stop_event, timeout):
+    def __init__(self, iterator, inboxes, epochs, first_epoch, stop_event, timeout, first_batch):
         super().__init__(name="dl4py-feeder", daemon=True)
-        self.args = (iterator, inboxes, epochs, first_epoch, stop_event, timeout)
+        self.args = (iterator, inboxes, epochs, first_epoch, stop_event, timeout, first_batch)
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -354,18 +398,51 @@ def _is_lost_peer(trace: str) -> bool:
     return any(sign in trace for sign in LOST_PEER_SIGNS)
 
 
-def _stop_all(procs) -> None:
-    """Terminate what still runs, then kill what ignores it; nothing is left behind."""
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-    deadline = time.monotonic() + GRACE_SECONDS
+def _stop_all(procs, patience: float) -> None:
+    """Give the workers ``patience`` seconds to exit, then kill what still runs; nothing is
+    left behind. (Workers ignore SIGTERM, which a process group's stop sends them too, so
+    killing is the only way; they hold nothing that needs saving.)"""
+    deadline = time.monotonic() + patience
     for proc in procs:
         proc.join(timeout=max(0.0, deadline - time.monotonic()))
     for proc in procs:
         if proc.is_alive():
             proc.kill()
             proc.join(timeout=GRACE_SECONDS)
+
+
+@contextlib.contextmanager
+def _children_ignore_stop_signals():
+    """Workers are born ignoring SIGINT and SIGTERM: an ignored signal stays ignored across
+    exec, and Python installs its KeyboardInterrupt handler only over the default. Without
+    this, a Ctrl-C while a worker still imports torch (seconds) would kill it before it can
+    ignore the signal itself. The signals are blocked here meanwhile, so one sent to this
+    process in that window waits for the handler rather than being lost."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    stop_signals = {signal.SIGINT, signal.SIGTERM}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in stop_signals}
+    try:
+        yield
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _check_world(world: int, devices: list[str], batches: int) -> None:
+    """Refuse a worker count that cannot work before anything is started, naming the limit."""
+    if batches and world > batches:
+        raise ConfigError("workers", f"is {world} but an epoch has only {batches} batches: every worker needs a "
+                                     f"batch in the first round; use at most {batches} workers or a smaller batch size")
+    cpu_workers = sum(1 for rank in range(world) if devices[rank % len(devices)] == "cpu")
+    cores = os.cpu_count() or 1
+    if cpu_workers > CPU_WORKERS_PER_CORE * cores:
+        raise ConfigError("workers", f"is {world}, which puts {cpu_workers} workers on the CPU of a machine with "
+                                     f"{cores} cores; use at most {CPU_WORKERS_PER_CORE * cores} "
+                                     f"({CPU_WORKERS_PER_CORE} per core)")
 
 
 def _exit_description(exitcode: int) -> str:

@@ -6,8 +6,10 @@ signal and the last line it printed. Each process leads its own process group, s
 sweep, not the terminal, decides how it stops: Ctrl-C (or SIGTERM) on the sweep sends
 one SIGINT to every experiment's group (``dl4py train`` then stops after the current
 step and keeps a checkpoint), waits ``grace`` seconds, then kills what is left.
-On Linux an experiment also dies with the sweep (``PR_SET_PDEATHSIG``), so killing
-the sweep outright leaves no orphan writing into the sweep folder.
+On Linux an experiment also gets SIGTERM when the sweep dies (``dl4py.process_guard``),
+so killing the sweep outright leaves no orphan writing into the sweep folder: the
+experiment stops after its current step, keeps a checkpoint and exits, and its parallel
+workers die with it.
 """
 
 from __future__ import annotations
@@ -15,24 +17,14 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from dl4py.process_guard import command_dying_with_parent
 from dl4py.sweep.slots import Slot
-
-# Runs in the experiment's process before it becomes `python -m dl4py train`: ask the
-# kernel for SIGTERM when the sweep dies, then exec (the request survives exec).
-_LAUNCHER = (
-    "import ctypes, os, signal, sys\n"
-    "try:\n    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
-    "except Exception:\n    pass\n"
-    "if os.getppid() != int(sys.argv[1]):\n    os._exit(1)  # the sweep died before prctl\n"
-    "os.execv(sys.argv[2], sys.argv[2:])\n"
-)
 
 
 @dataclass
@@ -99,8 +91,8 @@ class ProcessQueue:
             job.log.parent.mkdir(parents=True, exist_ok=True)
             with open(job.log, "wb") as log:
                 proc = subprocess.Popen(
-                    _launch(job.command(slot)), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    env=slot.environ(self.env), start_new_session=True,
+                    command_dying_with_parent(job.command(slot)), stdin=subprocess.DEVNULL, stdout=log,
+                    stderr=subprocess.STDOUT, env=slot.environ(self.env), start_new_session=True,
                 )
             self.running[job.name] = (proc, slot, time.perf_counter())
             self.logs[job.name] = job.log
@@ -149,12 +141,6 @@ class ProcessQueue:
 
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
-
-
-def _launch(argv: list[str]) -> list[str]:
-    if sys.platform.startswith("linux"):
-        return [sys.executable, "-c", _LAUNCHER, str(os.getpid()), *argv]
-    return argv
 
 
 def describe_failure(code: int, log: Path) -> str:

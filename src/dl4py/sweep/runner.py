@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from dl4py.config.run import RunConfig
-from dl4py.errors import ConfigError, DL4PyError
+from dl4py.errors import ConfigError, DL4PyError, StorageError
+from dl4py.folders import LOCK_FILE, FolderLock, path_inside
 from dl4py.io import atomic_write_json, atomic_write_text
-from dl4py.runner import CHECKPOINT, new_run_dir
+from dl4py.run_dir import CHECKPOINT, new_run_dir
 from dl4py.sweep import results as table
 from dl4py.sweep.plan import Plan, check_keys, expand, normalise_grid, normalise_ranges
 from dl4py.sweep.processes import Job, ProcessQueue
@@ -91,8 +92,8 @@ def run(
     if metric is not None:
         table.check_metric(metric)
     slots = make_slots(parse_devices(devices), per_device)
-    sweep_dir, plan = _open_sweep_dir(plan, output, resume)
-    with _Lock(sweep_dir):
+    sweep_dir, plan, lock = _open_sweep_dir(plan, output, resume)
+    with lock:
         metric = metric or plan.metric
         return _run(plan, sweep_dir, slots, metric, progress, grace)
 
@@ -120,34 +121,65 @@ def make_plan(config, grid, ranges, random, seed, overrides, metric) -> Plan:
     return Plan(json.loads(json.dumps(base.to_dict())), name, tuple(experiments), grid, ranges, random, seed, metric)
 
 
-def _open_sweep_dir(plan: Plan | None, output, resume: bool) -> tuple[Path, Plan]:
+def _open_sweep_dir(plan: Plan | None, output, resume: bool) -> tuple[Path, Plan, FolderLock]:
+    """The sweep folder, its plan, and the lock this process holds on it (one sweep per folder)."""
     if resume:
         if output is None:
             raise ConfigError("--resume", "needs --output: the folder of the sweep to continue")
         sweep_dir = Path(output)
+        if not (sweep_dir / PLAN).is_file():
+            raise ConfigError("--resume", f"{sweep_dir} holds no {PLAN}: it is not a sweep folder")
+        lock = FolderLock(sweep_dir, "sweep folder", "--resume").acquire()
         try:
-            stored = Plan.from_dict(json.loads((sweep_dir / PLAN).read_text()))
-        except FileNotFoundError:
-            raise ConfigError("--resume", f"{sweep_dir} holds no {PLAN}: it is not a sweep folder") from None
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ConfigError("--resume", f"cannot read {sweep_dir / PLAN}: {exc}") from None
-        if plan is not None and not plan.same_experiments(stored):
-            raise ConfigError("--resume", f"the config or grid differs from the sweep in {sweep_dir}; "
-                                          "resume it with the same ones, or with --output only")
-        if not (sweep_dir / BASE_CONFIG).exists():  # stopped between claiming the folder and writing it
-            atomic_write_text(sweep_dir / BASE_CONFIG, RunConfig.from_dict(stored.config).to_yaml())
-        return sweep_dir, stored
+            stored = _read_plan(sweep_dir)
+            if plan is not None and not plan.same_experiments(stored):
+                raise ConfigError("--resume", f"the config or grid differs from the sweep in {sweep_dir}; "
+                                              "resume it with the same ones, or with --output only")
+            if not (sweep_dir / BASE_CONFIG).exists():  # stopped between claiming the folder and writing it
+                atomic_write_text(sweep_dir / BASE_CONFIG, RunConfig.from_dict(stored.config).to_yaml())
+        except BaseException:
+            lock.release()
+            raise
+        return sweep_dir, stored, lock
     if output is None:
         sweep_dir = new_run_dir(plan.config_name, root=Path("sweeps"))
     else:
         sweep_dir = Path(output)
-        if sweep_dir.exists() and any(sweep_dir.iterdir()):
+        try:
+            sweep_dir.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise ConfigError("--output", f"{sweep_dir} exists and is not a directory") from None
+        except OSError as exc:
+            raise StorageError("create the sweep folder", sweep_dir, exc) from None
+    lock = FolderLock(sweep_dir, "sweep folder").acquire()
+    try:
+        if any(entry.name != LOCK_FILE for entry in sweep_dir.iterdir()):
             raise ConfigError("--output", f"{sweep_dir} already holds files; choose another folder, "
                                           "or pass --resume to continue the sweep in it")
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-    _claim(sweep_dir / PLAN, json.dumps(plan.to_dict(), indent=2) + "\n")
-    atomic_write_text(sweep_dir / BASE_CONFIG, RunConfig.from_dict(plan.config).to_yaml())
-    return sweep_dir, plan
+        _claim(sweep_dir / PLAN, json.dumps(plan.to_dict(), indent=2) + "\n")
+        atomic_write_text(sweep_dir / BASE_CONFIG, RunConfig.from_dict(plan.config).to_yaml())
+    except BaseException:
+        lock.release()
+        raise
+    return sweep_dir, plan, lock
+
+
+def _read_plan(sweep_dir: Path) -> Plan:
+    """``sweep.json`` read back as untrusted input: every experiment name must be a plain
+    folder inside the sweep, since ``--resume`` deletes and writes there."""
+    path = sweep_dir / PLAN
+    try:
+        stored = Plan.from_dict(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError("--resume", f"cannot read {path}: {exc}") from None
+    seen = set()
+    for experiment in stored.experiments:
+        path_inside(sweep_dir, experiment.name, f"{path}: experiments")
+        if experiment.name in seen:
+            raise ConfigError(f"{path}: experiments", f"names {experiment.name!r} twice; the file was edited "
+                                                      "or is corrupt, and nothing was touched")
+        seen.add(experiment.name)
+    return stored
 
 
 def _claim(path: Path, text: str) -> None:
@@ -163,46 +195,19 @@ def _claim(path: Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
-class _Lock:
-    """Held while a sweep runs its folder, so a --resume cannot run beside it. The kernel
-    drops it when the process dies, so a killed sweep never leaves a stale lock."""
-
-    def __init__(self, sweep_dir: Path):
-        self.path, self.fd = sweep_dir / ".lock", None
-
-    def __enter__(self):
-        try:
-            import fcntl
-        except ImportError:  # not POSIX: no lock
-            return self
-        self.fd = os.open(self.path, os.O_CREAT | os.O_RDWR)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(self.fd)
-            self.fd = None
-            raise ConfigError("--output", f"another sweep is running in {self.path.parent}") from None
-        return self
-
-    def __exit__(self, *exc):
-        if self.fd is not None:
-            os.close(self.fd)  # closing releases the lock
-        return False
-
-
 def _run(plan: Plan, sweep_dir: Path, slots, metric: str, progress: bool, grace: float) -> SweepResult:
     outcomes = _read_outcomes(sweep_dir)
     result = SweepResult(sweep_dir, metric, [], None)
     jobs, continuing = [], set()
     for experiment in plan.experiments:
-        run_dir = sweep_dir / experiment.name
+        run_dir = path_inside(sweep_dir, experiment.name, f"{sweep_dir / PLAN}: experiments")
         if table.is_completed(run_dir):
             result.skipped += 1
             continue
         if (run_dir / CHECKPOINT).exists():  # an epoch or more is done: go on from there
             continuing.add(experiment.name)
             result.continued += 1
-        elif run_dir.exists():  # started, nothing worth keeping
+        elif run_dir.is_dir():  # started, nothing worth keeping
             shutil.rmtree(run_dir)
             result.restarted += 1
         outcomes.pop(experiment.name, None)

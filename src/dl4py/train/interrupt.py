@@ -1,8 +1,10 @@
-"""Ctrl-C during training: finish the current step, then stop with the model consistent.
+"""Ctrl-C or SIGTERM during training: finish the current step, then stop with the model consistent.
 
 A KeyboardInterrupt raised in the middle of ``optimizer.step()`` could leave some
 parameters updated and others not; deferring it to a step boundary avoids that.
-A second Ctrl-C interrupts at once.
+SIGTERM (``kill``, a batch scheduler, a sweep that died) is handled the same way: by
+default it would end the process at once, losing the partial epoch and orphaning any
+worker processes. A second signal of either kind interrupts at once.
 """
 
 from __future__ import annotations
@@ -10,24 +12,36 @@ from __future__ import annotations
 import signal
 import threading
 
+HANDLED = (signal.SIGINT, signal.SIGTERM)
+
 
 class DeferredInterrupt:
+    """``with DeferredInterrupt() as interrupt: ... if interrupt.requested: stop``.
+
+    ``cause`` names what asked ("Ctrl-C" or "SIGTERM"), for the message that says so."""
+
     def __init__(self):
         self.requested = False
-        self._previous = None
+        self.cause: str | None = None
+        self._previous: dict[int, object] = {}
 
     def __enter__(self) -> "DeferredInterrupt":
+        # Signal handlers can only be installed from the main thread; elsewhere the
+        # signals keep their meaning and only ``requested`` set by hand stops the loop.
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.getsignal(signal.SIGINT)
-            signal.signal(signal.SIGINT, self._handle)
+            for sig in HANDLED:
+                self._previous[sig] = signal.getsignal(sig)
+                signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum, frame):
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
+        self.cause = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
         return False

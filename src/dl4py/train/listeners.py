@@ -146,13 +146,18 @@ class MetricsLogger(TrainingListener):
         self._write(record)
 
     def _write(self, record: dict) -> None:
-        if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("a", buffering=1)  # line-buffered: each record lands whole
         if self._t0 is None:
             self._t0 = time.time()
         record = {"time": round(time.time() - self._t0, 3), **record}
-        self._file.write(json.dumps(record) + "\n")
+        try:
+            if self._file is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = self.path.open("a", buffering=1)  # line-buffered: each record lands whole
+            self._file.write(json.dumps(record) + "\n")
+        except OSError as exc:  # disk full, read-only: a sentence naming the file
+            from dl4py.errors import StorageError
+
+            raise StorageError("append to", self.path, exc) from exc
 
     def on_fit_end(self, model, interrupted):
         if self._file is not None:

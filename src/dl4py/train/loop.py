@@ -1,4 +1,4 @@
-"""The single-device training loop: epochs of steps, listeners, resume, clean Ctrl-C.
+"""The single-device training loop: epochs of steps, listeners, resume, clean Ctrl-C / SIGTERM.
 
 Batches come from ``data_source``: on a GPU, the whole data set held on the device when it
 fits, else batches copied ahead of use from pinned memory.
@@ -24,7 +24,7 @@ NAN_CHECK_EVERY = 100
 
 
 class TrainingInterrupted(DL4PyError):
-    """Training was stopped by Ctrl-C; the model holds the state after the last full step."""
+    """Training was stopped by Ctrl-C or SIGTERM; the model holds the state after the last full step."""
 
 
 @dataclass
@@ -74,7 +74,7 @@ def fit(model, iterator, epochs: int, listeners: list) -> list[EpochSummary]:
                 listener.on_fit_end(model, interrupted)
     if interrupted:
         raise TrainingInterrupted(
-            f"training stopped by Ctrl-C after iteration {model.iteration_count} "
+            f"training stopped by {interrupt.cause or 'Ctrl-C'} after iteration {model.iteration_count} "
             f"(epoch {model.epoch_count}, batch {model.batch_in_epoch}); the model is consistent"
         )
     return summaries

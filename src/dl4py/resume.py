@@ -1,0 +1,86 @@
+"""What ``--resume`` accepts: the run that was stopped, continued.
+
+The checkpoint holds its own network, so it is compared with the config's, whatever
+``config.yaml`` says: another network is refused with the differing keys named. The
+training and data keys that decide which examples make up each batch (batch size, data
+set, limits, seed, shuffling, workers) may change only at an epoch boundary: mid-epoch,
+the batches left would no longer be the ones the stopped epoch had not yet seen.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from dl4py.config.run import RunConfig
+from dl4py.errors import ConfigError
+
+log = logging.getLogger("dl4py")
+
+# Keys that decide an epoch's batches (a key names itself and everything under it).
+EPOCH_COMPOSITION_KEYS = ("data", "training.batch_size", "training.workers", "training.training_mode")
+SHOWN = 4  # differences listed in a message before "and N more"
+
+
+def differences(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """Every key path at which two plain-data configs differ, with both values."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        found = []
+        for key in list(old) + [k for k in new if k not in old]:
+            path = f"{prefix}.{key}" if prefix else str(key)
+            found += differences(old.get(key), new.get(key), path)
+        return found
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        found = []
+        for i, (a, b) in enumerate(zip(old, new)):
+            found += differences(a, b, f"{prefix}[{i}]")
+        return found
+    return [] if old == new else [(prefix, old, new)]
+
+
+def describe(found: list[tuple[str, Any, Any]], old_name: str, new_name: str) -> str:
+    shown = [f"{path} is {_short(a)} in {old_name}, {_short(b)} in {new_name}" for path, a, b in found[:SHOWN]]
+    more = len(found) - SHOWN
+    return "; ".join(shown) + (f"; and {more} more" if more > 0 else "")
+
+
+def check_resume(config: RunConfig, checkpoint_model, run_dir: Path) -> None:
+    """Refuse a resume that would not continue the run in ``run_dir`` (ConfigError naming the keys)."""
+    checkpoint = run_dir / "checkpoint.dl4py"
+    saved_network = getattr(checkpoint_model, "config", None)
+    if saved_network is not None:
+        found = differences(saved_network.to_dict(), config.network.to_dict(), "network")
+        if found:
+            raise ConfigError("--resume", f"the checkpoint {checkpoint} holds another network than the config: "
+                                          f"{describe(found, 'the checkpoint', 'the config')}; resume with the "
+                                          f"run's own config ({run_dir / 'config.yaml'}) or train into a new "
+                                          "directory")
+    mid_epoch = checkpoint_model.batch_in_epoch > 0
+    try:
+        recorded = RunConfig.from_file(run_dir / "config.yaml")
+    except FileNotFoundError:
+        if mid_epoch:
+            raise ConfigError("--resume", f"{run_dir / 'config.yaml'} is missing, so a resume in the middle of "
+                                          "an epoch cannot be checked to read the same batches") from None
+        return
+    if config.training.batch_size == "auto":  # an auto run keeps the batch size it recorded
+        config = config.with_overrides([f"training.batch_size={recorded.training.batch_size}"])
+    found = [d for d in differences(recorded.to_dict(), config.to_dict()) if _decides_batches(d[0])]
+    if not found:
+        return
+    what = describe(found, "the run", "this config")
+    if mid_epoch:
+        raise ConfigError("--resume", f"the checkpoint stopped in the middle of epoch {checkpoint_model.epoch_count} "
+                                      f"(after batch {checkpoint_model.batch_in_epoch}), and {what}: the rest of the "
+                                      "epoch would read other batches; resume with the run's values")
+    log.info("resuming at an epoch boundary with changed data or batching: %s", what)
+
+
+def _decides_batches(path: str) -> bool:
+    return any(path == key or path.startswith(key + ".") for key in EPOCH_COMPOSITION_KEYS)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
