@@ -14,6 +14,10 @@ ratio of median epoch times to the hand-written loop's (1.00 = no overhead).
   layout), so its ratio is the loop's own overhead;
 - ``hand-written``: zero_grad / forward / loss / backward / step over shuffled index slices,
   with ``torch.optim.SGD(..., foreach=False)`` (torch's default on a CPU);
+- ``dl4py, DataLoader`` and ``hand-written, DataLoader``: the like-for-like network and the
+  hand-written loop, each reading the same shuffling ``torch.utils.data.DataLoader`` over a
+  ``TensorDataset`` (host memory; copied to the GPU per batch there); their ratio is the cost
+  of dl4py's DataLoader adapter and loop against ``for x, y in loader`` (reported apart);
 - ``lightning``: ``Trainer(barebones=True)`` (its mode for measuring its own overhead), one
   ``fit`` per epoch, the epoch timed by a callback; its set-up per ``fit`` is reported apart.
   Needs ``pip install lightning`` (never a dependency of dl4py); without it the column says so.
@@ -105,6 +109,21 @@ def lightning_loop(config, features, labels, batch, device):
     return epoch
 
 
+def hand_written_loader_epoch(config, loader, device):
+    """The hand-written loop over a DataLoader: what a PyTorch user writes."""
+    model = hand_written_lenet().to(device)
+    optimizer = hand_written_optimizer(model, config, foreach=False)
+
+    def epoch():
+        for x, y in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+
+    return epoch
+
+
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--examples", type=int, help="examples per epoch (default 6400 on a CPU, 60000 on a GPU)")
@@ -123,6 +142,11 @@ def main() -> None:
     dl4py_net = MultiLayerNetwork(config, backend=backend).init()
     with settings(fused_optimizer="off", channels_last="off"):
         plain_net = MultiLayerNetwork(config, backend=backend).init()
+        loader_net = MultiLayerNetwork(config, backend=backend).init()
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(TensorDataset(data.features, data.labels), batch_size=batch, shuffle=True,
+                        pin_memory=device.type == "cuda")
 
     def timed(fn):
         def run():
@@ -137,6 +161,8 @@ def main() -> None:
         "dl4py": timed(lambda: dl4py_net.fit(data, epochs=1)),
         "dl4py, like for like": timed(lambda: plain_net.fit(data, epochs=1)),
         "hand-written": timed(hand_written_epoch(config, features, labels, batch, device, foreach=False)),
+        "dl4py, DataLoader": timed(lambda: loader_net.fit(loader, epochs=1)),
+        "hand-written, DataLoader": timed(hand_written_loader_epoch(config, loader, device)),
     }
     lightning_note, fit_seconds = None, []
     try:
@@ -168,6 +194,7 @@ def main() -> None:
         "epoch_seconds": times, "median_epoch_seconds": median,
         "samples_per_second": {k: data.total_examples() / v for k, v in median.items()},
         "ratio_to_hand_written": {k: v / base for k, v in median.items()},
+        "dataloader_ratio": median["dl4py, DataLoader"] / median["hand-written, DataLoader"],
         "lightning_fit_setup_seconds": statistics.median(fit_seconds) if fit_seconds else None,
         "lightning_loop": lightning_note or "Trainer(barebones=True), one fit per epoch",
     }
@@ -181,6 +208,8 @@ def main() -> None:
           f"**{result['ratio_to_hand_written'][k]:.3f}** |" for k in median),
         "",
         f"Median of {repeats} interleaved epochs each, after one warm-up epoch.",
+        f"Over the same DataLoader, dl4py `fit(loader)` / hand-written `for x, y in loader`: "
+        f"**{result['dataloader_ratio']:.3f}**.",
     ]
     if lightning_note:
         lines.append(f"Lightning: {lightning_note}.")

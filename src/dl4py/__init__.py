@@ -39,10 +39,15 @@ from dl4py.data import (
     DataSet,
     DataSetIterator,
     DeviceDataSetIterator,
+    ImageFolderIterator,
+    ImagePreProcessingScaler,
     MnistDataSetIterator,
+    NormalizerMinMaxScaler,
+    NormalizerStandardize,
+    TableDirectoryIterator,
 )
 from dl4py.errors import BackendError, ConfigError, DataError, DL4PyError, TrainingError
-from dl4py.eval import Evaluation
+from dl4py.eval import ROC, Evaluation, RegressionEvaluation, ROCMultiClass
 from dl4py.nn import MultiLayerNetwork, TorchModel, load
 from dl4py.train import TrainingInterrupted
 
@@ -50,8 +55,9 @@ __all__ = [
     "ActivationLayer", "Adam", "AdamW", "ArrayDataSetIterator", "BackendError",
     "BatchNormalization", "ConfigError", "ConvolutionLayer", "CsvDataSetIterator", "DataError",
     "DataSet", "DataSetIterator", "DenseLayer", "DeviceDataSetIterator", "DL4PyError", "DropoutLayer", "Environment",
-    "Evaluation", "GlobalPoolingLayer", "InputType", "MnistDataSetIterator", "MultiLayerNetwork",
-    "Nesterovs", "NetworkConfig", "OutputLayer", "RmsProp", "RunConfig", "Sgd", "SubsamplingLayer",
-    "TorchModel", "TrainingError", "TrainingInterrupted", "environment", "get_default_dtype", "load",
+    "Evaluation", "GlobalPoolingLayer", "ImageFolderIterator", "ImagePreProcessingScaler", "InputType", "MnistDataSetIterator", "MultiLayerNetwork",
+    "RegressionEvaluation", "ROC", "ROCMultiClass",
+    "Nesterovs", "NetworkConfig", "NormalizerMinMaxScaler", "NormalizerStandardize", "OutputLayer", "RmsProp", "RunConfig", "Sgd", "SubsamplingLayer",
+    "TableDirectoryIterator", "TorchModel", "TrainingError", "TrainingInterrupted", "environment", "get_default_dtype", "load",
     "resolve_backend", "set_backend", "set_default_dtype",
 ]

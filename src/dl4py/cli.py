@@ -89,7 +89,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="override a config key in every experiment")
     sweep.add_argument("--devices", default="all", help="all (the GPUs, else the CPU), cpu, or GPU indices 0,1")
     sweep.add_argument("--per-device", type=int, default=1, metavar="K", help="experiments at a time on each device")
-    sweep.add_argument("--metric", help="result.json key to rank by (default test_accuracy)")
+    sweep.add_argument("--metric", help="result.json key to rank by (default: val_accuracy when the config "
+                                        "has data.validation, else test_accuracy)")
     sweep.add_argument("--output", type=Path, help="sweep folder (default: sweeps/<config>-<time>)")
     sweep.add_argument("--resume", action="store_true", help="run what is unfinished in the sweep in --output")
 

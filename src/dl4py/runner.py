@@ -8,7 +8,6 @@ The directory holds ``config.yaml`` (the resolved config), ``environment.json``
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import platform
@@ -20,7 +19,8 @@ import torch
 
 from dl4py.backend.cuda_environment import environment
 from dl4py.config.run import DataConfig, RunConfig
-from dl4py.errors import ConfigError, DataSizeError, TrainingError
+from dl4py.data.from_config import make_iterators, make_validation
+from dl4py.errors import ConfigError, TrainingError
 from dl4py.io import atomic_write_json, atomic_write_text
 from dl4py.nn.network import MultiLayerNetwork
 from dl4py.nn.serialization import load
@@ -33,48 +33,31 @@ from dl4py.train.listeners import (
     ProgressBar,
     ScoreIterationListener,
 )
+from dl4py.train.history import History
 from dl4py.train.loop import TrainingInterrupted
+from dl4py.train.validation import EpochValidation, validation_record
 
 log = logging.getLogger("dl4py")
 
 
 
-def make_iterators(data: DataConfig, batch_size: int, input_shape: tuple[int, ...]):
-    """Training and test iterators for the data section (test is None when there is none)."""
-    from dl4py.data import CsvDataSetIterator, MnistDataSetIterator
-
-    if data.dataset == "mnist":
-        train = MnistDataSetIterator(
-            batch_size, train=True, seed=data.seed, shuffle=data.shuffle, limit=data.limit_train
-        )
-        test = MnistDataSetIterator(batch_size, train=False, seed=data.seed, shuffle=False, limit=data.limit_test)
-    else:
-        def csv(path, limit, shuffle):
-            return CsvDataSetIterator(
-                path, batch_size, label_index=data.label_index, num_classes=data.num_classes,
-                skip_lines=data.skip_lines, shuffle=shuffle, seed=data.seed, limit=limit,
-            )
-
-        with _limit_named("data.limit_train"):
-            train = csv(data.train_path, data.limit_train, data.shuffle)
-        with _limit_named("data.limit_test"):
-            test = csv(data.test_path, data.limit_test, False) if data.test_path else None
-    if tuple(train.input_shape()) != tuple(input_shape):
-        raise ConfigError(
-            "network.input_type",
-            f"gives examples of shape {list(input_shape)} but the {data.dataset} data has "
-            f"{list(train.input_shape())}",
-        )
-    return train, test
-
-
-@contextlib.contextmanager
-def _limit_named(key: str):
-    """A limit beyond the data's size, named by its config key."""
-    try:
-        yield
-    except DataSizeError as exc:
-        raise ConfigError(key, f"is {exc.limit}, more than the {exc.available} examples of {exc.source}") from None
+def _attach_normalizer(model, data: DataConfig, train, resumed: bool) -> None:
+    """``data.normalizer``, fitted on the training data only (one pass), before training. A
+    resumed run keeps the checkpoint's, fitted when the run began: refitting could change
+    the inputs mid-run, so a config asking for another normalizer is refused."""
+    section = data.normalizer
+    if resumed:
+        saved = None if model.normalizer is None else model.normalizer.settings()
+        wanted = None if section is None else section.build().settings()
+        if saved != wanted:
+            raise ConfigError("data.normalizer", f"is {wanted} but the checkpoint's model was trained with "
+                                                 f"{saved}; resume with the run's own config or train into a new "
+                                                 "directory")
+        return
+    if section is not None:
+        started = time.perf_counter()
+        model.set_normalizer(section.build().fit(train))
+        log.info("fitted %s on the training data in %.1f s", model.normalizer, time.perf_counter() - started)
 
 
 def environment_record(model) -> dict:
@@ -144,6 +127,8 @@ def _train_locked(config: RunConfig, run_dir: Path, resume: bool, progress, reco
         config = _resolve_batch_size(config, model, train, run_dir if resume else None)
         for iterator in filter(None, (train, test)):
             iterator.batch_size = config.training.batch_size  # the data read once, batched as chosen
+    train, validation = make_validation(config.data, train, config.training.batch_size)
+    _attach_normalizer(model, config.data, train, resume)  # on the training part only
     atomic_write_text(run_dir / "config.yaml", config.to_yaml())
     atomic_write_json(run_dir / "environment.json", environment_record(model))
     record.config, record.model = config, model
@@ -161,26 +146,31 @@ def _train_locked(config: RunConfig, run_dir: Path, resume: bool, progress, reco
     record.training_started = True
     try:
         if config.training.early_stopping is None:
-            summaries = _fit(model, config.training, train, epochs_left, listeners)
+            summaries = _fit(model, config.training, train, epochs_left, listeners, validation)
         else:
-            summaries = []
-            stopping = _fit_early_stopping(model, config, train, test, run_dir, listeners)
-            result["early_stopping"] = stopping.to_dict()
+            stopping = _fit_early_stopping(model, config, train, validation, test, run_dir, listeners)
+            summaries = stopping.history or []
+            result["early_stopping"] = {**stopping.to_dict(),
+                                        "score_set": "validation" if validation is not None else "test"}
             record.early_stopping = result["early_stopping"]
     except TrainingInterrupted:
         result.update(result_fields(config, model, [], None, record.started), status="interrupted",
                       saved=saved_files(run_dir))
         atomic_write_json(run_dir / "result.json", result)
         raise
+    trained = {"epochs": model.epoch_count, "iterations": model.iteration_count}
     if stopping is not None:
-        model = _early_stopping_model(stopping, model)
+        model = _early_stopping_model(stopping, model)  # the best one may be an earlier epoch's
         record.model = model
     evaluation = model.evaluate(test) if test is not None else None
     model.save(run_dir / MODEL)
     if evaluation is not None:
         atomic_write_text(run_dir / "evaluation.txt", evaluation.stats())
         metrics.write({"kind": "evaluation", "epoch": model.epoch_count, **_eval_fields(evaluation)})
-    result.update(result_fields(config, model, summaries, evaluation, record.started), status="completed")
+    if validation is not None:  # the run's model on the held-out data (what a sweep ranks by)
+        result.update(validation_record(model, validation))
+    result.update(result_fields(config, model, summaries, evaluation, record.started), **trained,
+                  history=History(summaries).to_dict(), status="completed")
     atomic_write_json(run_dir / "result.json", result)
     return result
 
@@ -225,26 +215,33 @@ def _resolve_batch_size(config: RunConfig, model, train, resumed_dir: Path | Non
         return config.with_overrides([f"training.batch_size={recorded}"])
     from dl4py.memory.auto import auto_batch_size
 
-    example_bytes = train.features[:1].element_size() * train.features[:1].numel() + train.labels[:1].element_size()
+    features, labels = getattr(train, "features", None), getattr(train, "labels", None)
+    if isinstance(features, torch.Tensor) and isinstance(labels, torch.Tensor):
+        example_bytes = features[:1].element_size() * features[:1].numel() + labels[:1].element_size()
+    else:  # decoded as it goes (images): float32 features and an int64 label per example
+        example_bytes = 4 * math.prod(train.input_shape()) + 8
     batch, _ = auto_batch_size(config, model.backend.device, train.total_examples(), example_bytes,
                                workers=config.training.workers)
     return config.with_overrides([f"training.batch_size={batch}"])
 
 
-def _fit(model, training, train, epochs: int, listeners: list):
+def _fit(model, training, train, epochs: int, listeners: list, validation):
     if training.workers == 1:
-        return model.fit(train, epochs=epochs, listeners=listeners)
+        return model.fit(train, epochs=epochs, listeners=listeners, validation=validation)
     if epochs == 0:
         return []
     from dl4py.parallel import ParallelWrapper
 
     options, worker_listeners = _parallel_options(training, listeners)
-    return ParallelWrapper(model, **options).fit(train, epochs=epochs, listeners=worker_listeners)
+    return ParallelWrapper(model, **options).fit(train, epochs=epochs, listeners=worker_listeners,
+                                                 validation=validation)
 
 
 def _parallel_options(training, listeners: list) -> tuple[dict, list]:
-    """ParallelWrapper options from ``training``, and the listeners worker 0 runs: they see
-    its replica, averaged at each epoch's end (the in-process speed meter stays behind)."""
+    """ParallelWrapper options from ``training``, and the listeners for the parallel fit. This
+    process runs them on worker 0's relayed events, with the model holding worker 0's averaged
+    state at each epoch's end; the speed meter is left out, as it would time the relay's
+    batches of events rather than the training."""
     options = dict(
         workers=training.workers, prefetch_buffer=training.prefetch_buffer,
         averaging_frequency=training.averaging_frequency,
@@ -254,11 +251,11 @@ def _parallel_options(training, listeners: list) -> tuple[dict, list]:
     return options, [l for l in listeners if not isinstance(l, PerformanceListener)]
 
 
-def _fit_early_stopping(model, config: RunConfig, train, test, run_dir: Path, listeners: list):
+def _fit_early_stopping(model, config: RunConfig, train, validation, test, run_dir: Path, listeners: list):
+    """Early stopping as ``training.early_stopping`` says, scored on the validation data when
+    the run holds some out (else on the test set, as DL4J's examples do)."""
     from dl4py.parallel import EarlyStoppingParallelTrainer
     from dl4py.train.early_stopping import (
-        ClassificationScoreCalculator,
-        DataSetLossCalculator,
         EarlyStoppingConfiguration,
         EarlyStoppingTrainer,
         InvalidScore,
@@ -267,12 +264,15 @@ def _fit_early_stopping(model, config: RunConfig, train, test, run_dir: Path, li
         MaxTime,
         ScoreImprovement,
     )
+    from dl4py.train.early_stopping.calculators import calculator_for
 
     section, training = config.training.early_stopping, config.training
-    if test is None:
-        raise ConfigError("training.early_stopping", "needs held-out data: set data.test_path")
-    calculator = (DataSetLossCalculator(test) if section.metric == "loss"
-                  else ClassificationScoreCalculator(section.metric, test))
+    held_out = validation if validation is not None else test
+    if held_out is None:
+        raise ConfigError("training.early_stopping", "needs held-out data: set data.validation (or data.test_path)")
+    calculator = calculator_for(section.metric, held_out, model)  # also refuses accuracy for a regression
+    if validation is not None:  # the history shows the validation score of every epoch too
+        listeners = [EpochValidation(validation), *listeners]
     epoch_conditions = [MaxEpochs(section.max_epochs or training.epochs)]
     if section.patience is not None:
         epoch_conditions.append(ScoreImprovement(section.patience, section.min_delta))
@@ -291,6 +291,19 @@ def _fit_early_stopping(model, config: RunConfig, train, test, run_dir: Path, li
 
 
 def _eval_fields(evaluation) -> dict:
+    from dl4py.eval import RegressionEvaluation
+
+    if isinstance(evaluation, RegressionEvaluation):
+        # Column averages, as DL4J's averageRSquared...; test_accuracy stays, null, for
+        # readers (the CLI, sweeps) that ask every run for it.
+        return {
+            "test_accuracy": None,
+            "test_r2": _json_number(evaluation.r_squared()),
+            "test_mse": _json_number(evaluation.mean_squared_error()),
+            "test_mae": _json_number(evaluation.mean_absolute_error()),
+            "test_rmse": _json_number(evaluation.root_mean_squared_error()),
+            "test_examples": evaluation.num_examples(),
+        }
     return {
         "test_accuracy": evaluation.accuracy(),
         "test_precision": evaluation.precision(),
@@ -298,6 +311,11 @@ def _eval_fields(evaluation) -> dict:
         "test_f1": evaluation.f1(),
         "test_examples": evaluation.num_examples(),
     }
+
+
+def _json_number(value: float) -> float | None:
+    """NaN and inf (R² of a constant target, a diverged model) as null: result.json stays strict JSON."""
+    return value if math.isfinite(value) else None
 
 
 def result_fields(config: RunConfig, model, summaries, evaluation, started: float) -> dict:

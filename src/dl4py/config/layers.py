@@ -1,7 +1,8 @@
 """Layer configurations: what each layer is, as plain data, and the shape it produces.
 
 Names follow DL4J (DenseLayer, ConvolutionLayer, SubsamplingLayer, ...); fields are
-snake_case. ``n_in`` is never needed: it is inferred from the previous layer's output
+snake_case. Every layer is checked and canonicalised when constructed, whether in code or
+from a dict (``schema.ConfigBase.__post_init__``): ``activation="RELU"`` is stored as "relu". ``n_in`` is never needed: it is inferred from the previous layer's output
 shape, as DL4J's ``setInputType`` does. Building the torch modules lives in ``dl4py.nn``.
 """
 
@@ -143,6 +144,10 @@ class OutputLayer(DenseLayer):
 @Layer.register("convolution")
 @dataclass(frozen=True)
 class ConvolutionLayer(_ParamLayer):
+    """2-D convolution. A single number for ``kernel_size``, ``stride``, ``padding`` or
+    ``dilation`` means the same in both dimensions (``kernel_size=5`` is ``(5, 5)``), as in
+    DL4J's ``ConvolutionLayer.Builder(5)`` and Keras."""
+
     n_out: int
     kernel_size: Pair = (5, 5)
     stride: Pair = (1, 1)

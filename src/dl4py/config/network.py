@@ -11,7 +11,9 @@ Build one directly, with the DL4J-style builder, or from a dict / JSON / YAML::
             .build())
 
 Defaults are DL4J's: weight init xavier, activation sigmoid, updater SGD(1e-3), no L2.
-A config is validated (types, ranges, shapes through every layer) when it is created.
+A config is validated (types, ranges, shapes through every layer) when it is created,
+by the same path whichever way it is made (``schema.ConfigBase.__post_init__``); layers
+may be given as objects or dicts, and DL4J's enum names ("RELU", "MCXENT") are accepted.
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from dl4py.config.input_type import InputType
 from dl4py.config.layers import Activation, Layer, OutputLayer, Shape, WeightInit
-from dl4py.config.schema import ConfigBase, coerce, dataclass_from_dict, join
+from dl4py.config.schema import ConfigBase, dataclass_from_dict, join
 from dl4py.config.updaters import AdamW, Sgd, Updater
 from dl4py.errors import ConfigError
 
@@ -38,7 +40,7 @@ class LayerShapes:
 
 @dataclass(frozen=True)
 class NetworkConfig(ConfigBase):
-    layers: tuple = ()
+    layers: tuple[Layer, ...] = ()
     input_type: InputType | None = None
     seed: int = 12345
     weight_init: WeightInit = "xavier"
@@ -46,23 +48,13 @@ class NetworkConfig(ConfigBase):
     updater: Updater = field(default_factory=Sgd)
     l2: float = 0.0
 
-    def __post_init__(self):
-        object.__setattr__(self, "layers", tuple(self.layers))
-        self.validate("network")
+    # Built directly, errors still read network.layers[2].kernel_size.
+    config_path: ClassVar[str] = "network"
 
     # ---- conversion -------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: Any, where: str = "network") -> "NetworkConfig":
-        if not isinstance(data, dict):
-            raise ConfigError(where, f"must be a mapping, got {data!r}")
-        data = dict(data)
-        layers = data.pop("layers", None)
-        if not isinstance(layers, list) or not layers:
-            raise ConfigError(join(where, "layers"), "must be a non-empty list of layers")
-        data["layers"] = [
-            coerce(layer, Layer, join(join(where, "layers"), i)) for i, layer in enumerate(layers)
-        ]
-        if "input_type" not in data:
+        if isinstance(data, dict) and "input_type" not in data:
             raise ConfigError(
                 join(where, "input_type"),
                 "is required: every layer's n_in is inferred from it "
@@ -75,7 +67,9 @@ class NetworkConfig(ConfigBase):
 
     @classmethod
     def from_json(cls, text: str) -> "NetworkConfig":
-        return cls.from_dict(json.loads(text))
+        from dl4py.config.yaml_loader import load_json
+
+        return cls.from_dict(load_json(text))
 
     def to_yaml(self) -> str:
         import yaml
@@ -96,9 +90,6 @@ class NetworkConfig(ConfigBase):
     def validate(self, where: str = "network") -> None:
         if not self.layers:
             raise ConfigError(join(where, "layers"), "must hold at least one layer")
-        for i, layer in enumerate(self.layers):
-            if not isinstance(layer, Layer):
-                raise ConfigError(join(join(where, "layers"), i), f"is not a layer: {layer!r}")
         if self.input_type is None:
             raise ConfigError(join(where, "input_type"), "is required: n_in is inferred from it")
         if self.l2 < 0:
@@ -176,6 +167,6 @@ class NetworkConfigBuilder:
         return setter
 
     def build(self) -> NetworkConfig:
-        data = {k: (v.to_dict() if hasattr(v, "to_dict") else v) for k, v in self._fields.items()}
-        data["layers"] = [layer.to_dict() for layer in self._layers]
-        return NetworkConfig.from_dict(data)
+        # The dict path, for its "input_type is required" message; the values (objects,
+        # dicts or DL4J names) are checked by the constructor, as everywhere.
+        return NetworkConfig.from_dict({**self._fields, "layers": list(self._layers)})

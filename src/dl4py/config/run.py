@@ -9,36 +9,126 @@ type-checked against the same schema as the file.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 import yaml
 
 from dl4py.config.network import NetworkConfig
-from dl4py.config.schema import ConfigBase, dataclass_from_dict, join
-from dl4py.config.yaml_loader import load_yaml
+from dl4py.config.schema import ConfigBase, TaggedConfig, dataclass_from_dict, join
+from dl4py.config.yaml_loader import ConfigSyntaxError, load_json, load_yaml
 from dl4py.errors import ConfigError
 
 Precision = Literal["float", "double", "half", "bfloat16", "mixed-fp16", "mixed-bf16"]
 
 
+class NormalizerSection(TaggedConfig):
+    """``data.normalizer``: fitted on the training data before training and saved inside the
+    model (docs/data.md). A name (``standardize``) or a mapping with options
+    (``{type: minmax, min_range: -1, max_range: 1}``)."""
+
+    registry: ClassVar[dict[str, type]] = {}
+    type_name: ClassVar[Optional[str]] = None
+
+    def build(self):
+        """The unfitted dl4py.data.normalizers object this section describes."""
+        raise NotImplementedError
+
+
+@NormalizerSection.register("standardize")
+@dataclass(frozen=True)
+class StandardizeSection(NormalizerSection):
+    """NormalizerStandardize: zero mean, unit variance per feature (per channel for images)."""
+
+    def build(self):
+        from dl4py.data.normalizers import NormalizerStandardize
+
+        return NormalizerStandardize()
+
+
+@NormalizerSection.register("minmax")
+@dataclass(frozen=True)
+class MinMaxSection(NormalizerSection):
+    """NormalizerMinMaxScaler: each feature's training range onto [min_range, max_range]."""
+
+    min_range: float = 0.0
+    max_range: float = 1.0
+
+    def validate(self, where: str) -> None:
+        if self.max_range <= self.min_range:
+            raise ConfigError(join(where, "max_range"), f"must be above min_range ({self.min_range}), got {self.max_range}")
+
+    def build(self):
+        from dl4py.data.normalizers import NormalizerMinMaxScaler
+
+        return NormalizerMinMaxScaler(self.min_range, self.max_range)
+
+
+@NormalizerSection.register("image_scaler")
+@dataclass(frozen=True)
+class ImageScalerSection(MinMaxSection):
+    """ImagePreProcessingScaler: pixels 0 .. 2**max_bits - 1 onto [min_range, max_range]; no fitting."""
+
+    max_bits: int = 8
+
+    def validate(self, where: str) -> None:
+        super().validate(where)
+        if not 1 <= self.max_bits <= 32:
+            raise ConfigError(join(where, "max_bits"), f"must be from 1 to 32, got {self.max_bits}")
+
+    def build(self):
+        from dl4py.data.normalizers import ImagePreProcessingScaler
+
+        return ImagePreProcessingScaler(self.min_range, self.max_range, self.max_bits)
+
+
+IMAGE_KEYS = ("height", "width", "channels", "random_crop", "flip")  # dataset image_folder only
+
+
+@dataclass(frozen=True)
+class ValidationSection(ConfigBase):
+    """``data.validation``: held-out data scored after each epoch (``val_loss``,
+    ``val_accuracy`` in the history and ``metrics.jsonl``); early stopping and sweeps rank on
+    it, and the test set is used once, at the end. ``{split: 0.1}`` holds out a fraction of
+    the training data (chosen by ``data.seed``); ``{path: FILE}`` reads another file or folder
+    like the training one."""
+
+    split: Optional[float] = None
+    path: Optional[str] = None
+
+    def validate(self, where: str) -> None:
+        if (self.split is None) == (self.path is None):
+            raise ConfigError(where, "give one of split (a fraction of the training data, e.g. 0.1) or path")
+        if self.split is not None and not 0 < self.split < 1:
+            raise ConfigError(join(where, "split"), f"must be a fraction between 0 and 1 (exclusive), got {self.split}")
+
+
 @dataclass(frozen=True)
 class DataConfig(ConfigBase):
-    dataset: Literal["mnist", "csv"] = "mnist"
+    dataset: Literal["mnist", "csv", "image_folder"] = "mnist"
     limit_train: Optional[int] = None  # use only the first N training examples
     limit_test: Optional[int] = None
     shuffle: bool = True
     seed: int = 12345  # shuffle seed, as in MnistDataSetIterator(batch, train, 12345)
-    train_path: Optional[str] = None  # csv only
-    test_path: Optional[str] = None  # csv only
+    train_path: Optional[str] = None  # csv (a file), image_folder (a folder per class)
+    test_path: Optional[str] = None  # csv, image_folder
     label_index: int = -1  # csv only
     num_classes: Optional[int] = None  # csv only; None means regression
     skip_lines: int = 0  # csv only
+    height: Optional[int] = None  # image_folder only; height/width/channels default to the network's input type
+    width: Optional[int] = None
+    channels: Optional[int] = None  # 1 grey, 3 RGB, 4 RGBA
+    random_crop: int = 0  # image_folder only: pad N pixels, take a random window (training data)
+    flip: bool = False  # image_folder only: mirror half the training images, drawn per epoch
+    normalizer: Optional[NormalizerSection] = None  # fitted on the training data, saved in the model
+    validation: Optional[ValidationSection] = None  # held-out data scored after each epoch
 
     def validate(self, where: str) -> None:
+        if self.validation is not None and self.validation.path is not None and self.dataset == "mnist":
+            raise ConfigError(join(where, "validation.path"), "applies to datasets read from files (csv, "
+                                                             "image_folder); for mnist use validation: {split: 0.1}")
         for name in ("limit_train", "limit_test"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -52,14 +142,34 @@ class DataConfig(ConfigBase):
                     raise ConfigError(
                         join(where, name), f"is {value}, more than the {EXAMPLES[split]} examples of MNIST's {split} set"
                     )
-        if self.dataset == "csv" and not self.train_path:
-            raise ConfigError(join(where, "train_path"), "is required when dataset is 'csv'")
-        if self.dataset != "csv":
-            for name in ("train_path", "test_path", "num_classes"):
-                if getattr(self, name) is not None:
-                    raise ConfigError(
-                        join(where, name), f"applies only to dataset 'csv', not {self.dataset!r}"
-                    )
+        if self.dataset in ("csv", "image_folder") and not self.train_path:
+            raise ConfigError(join(where, "train_path"), f"is required when dataset is {self.dataset!r}")
+        for name in ("train_path", "test_path", "num_classes"):
+            allowed = ("csv", "image_folder") if name != "num_classes" else ("csv",)
+            if getattr(self, name) is not None and self.dataset not in allowed:
+                raise ConfigError(
+                    join(where, name), f"applies only to dataset {' or '.join(map(repr, allowed))}, not {self.dataset!r}"
+                )
+        self._validate_images(where)
+
+    def _validate_images(self, where: str) -> None:
+        if self.dataset != "image_folder":
+            for name in IMAGE_KEYS:
+                if getattr(self, name) != DataConfig.__dataclass_fields__[name].default:
+                    raise ConfigError(join(where, name), f"applies only to dataset 'image_folder', not {self.dataset!r}")
+            return
+        for name in ("limit_train", "limit_test"):  # the first N files would be the first classes only
+            if getattr(self, name) is not None:
+                raise ConfigError(join(where, name), "is not supported for dataset 'image_folder'; "
+                                                     "use a folder holding fewer images")
+        for name in ("height", "width"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(join(where, name), f"must be positive, got {value}")
+        if self.channels is not None and self.channels not in (1, 3, 4):
+            raise ConfigError(join(where, "channels"), f"must be 1 (grey), 3 (RGB) or 4 (RGBA), got {self.channels}")
+        if self.random_crop < 0:
+            raise ConfigError(join(where, "random_crop"), f"must be zero or more pixels, got {self.random_crop}")
 
 
 @dataclass(frozen=True)
@@ -67,7 +177,8 @@ class EarlyStoppingSection(ConfigBase):
     """``training.early_stopping``: stop when the held-out score (the data's test set, as in
     DL4J's examples) stops improving; the best model is kept as ``bestModel.dl4py``."""
 
-    metric: Literal["accuracy", "f1", "precision", "recall", "loss"] = "accuracy"
+    # classification (maximised), loss, or regression: mse, mae, rmse, rse (minimised), r2, pc (maximised)
+    metric: Literal["accuracy", "f1", "precision", "recall", "loss", "mse", "mae", "rmse", "rse", "r2", "pc"] = "accuracy"
     patience: Optional[int] = None  # epochs without improvement before stopping (None: never)
     min_delta: float = 0.0  # smaller improvements do not count
     max_epochs: Optional[int] = None  # default: training.epochs
@@ -187,14 +298,13 @@ class RunConfig(ConfigBase):
             raise ConfigError(
                 str(path), f"is not a text file (byte {exc.start} is not UTF-8); a config is YAML or JSON text"
             ) from None
-        try:
-            data = json.loads(text) if path.suffix == ".json" else load_yaml(text)
-        except (json.JSONDecodeError, yaml.YAMLError) as exc:
-            raise ConfigError(str(path), f"is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from None
+        # A syntax error names the file, line and column itself (ConfigSyntaxError).
+        data = load_json(text, str(path)) if path.suffix == ".json" else load_yaml(text, str(path))
         try:
             return cls.from_dict(data)
         except ConfigError as exc:
-            raise ConfigError(f"{path}: {exc.where}", str(exc).split(": ", 1)[-1]) from None
+            message = str(exc)[len(exc.where) + 2:] if exc.where else str(exc)
+            raise ConfigError(f"{path}: {exc.where}" if exc.where else str(path), message) from None
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -211,10 +321,13 @@ class RunConfig(ConfigBase):
             if not sep or not key.strip():
                 raise ConfigError(assignment, "an override must look like key=value, e.g. training.epochs=3")
             key = key.strip()
-            try:
-                value = load_yaml(raw)
-            except yaml.YAMLError:
-                value = raw
+            try:  # text YAML cannot read is an error, not a string: "[5, 5" is a typo
+                value = load_yaml(raw, f"--set {assignment}")
+            except ConfigSyntaxError as exc:
+                raise ConfigError(
+                    f"--set {assignment}",
+                    f"the value is not valid YAML: {exc.problem}; to pass it as text, quote it: {key}='...'",
+                ) from None
             _assign(data, key, value)
         try:
             return RunConfig.from_dict(data)

@@ -1,14 +1,22 @@
 """Typed conversion between plain dicts and frozen config dataclasses.
 
 Every config object in dl4py is a frozen dataclass whose field annotations are the
-schema: ``from_dict`` checks keys and types against them and reports the exact path
-of a bad value (``network.layers[2].kernel_size``), ``to_dict`` writes every field,
-defaults included, so a saved config is complete and round-trips unchanged.
+schema. One path checks every config, however it was made: the constructor
+(``DenseLayer(...)``, ``NetworkConfig(...)``), the builder, ``from_dict``, YAML or JSON all
+end in ``ConfigBase.__post_init__``, which brings each field to its canonical form
+(``"RELU"`` -> ``"relu"``, ``kernel_size=5`` -> ``(5, 5)``, a dict -> its config object)
+and then runs ``validate``. Errors name the exact path of a bad value: the key path
+(``network.layers[2].kernel_size``) when the object is built from data or inside a
+``NetworkConfig``, the class (``ConvolutionLayer.kernel_size``) when built on its own.
+``to_dict`` writes every field, defaults included, so a saved config is complete and
+round-trips unchanged.
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
+import functools
 import re
 import types
 import typing
@@ -18,6 +26,42 @@ from dl4py.errors import ConfigError
 
 # A decimal number as written in a config: 0.01, 1e-3, -2.5E+4 (not "nan", "inf" or "0x10").
 _NUMBER = re.compile(r"\s*[-+]?(?:\d[\d_]*(?:\.[\d_]*)?|\.\d[\d_]*)(?:[eE][-+]?\d+)?\s*\Z")
+
+
+# DL4J names enum constants in upper case (LossFunction.MCXENT, Activation.RELU,
+# WeightInit.XAVIER) and input types in camelCase (InputType.convolutionalFlat); dl4py's
+# names are lower snake_case. A name is matched without case, "_", "-" or a Java qualifier
+# ("LossFunctions.LossFunction.MCXENT"), and stored as dl4py spells it, so configs stay canonical.
+_QUALIFIED = re.compile(r"\s*(?:[A-Z]\w*\.)+([A-Za-z_]\w*)\s*\Z")  # Java classes: upper case
+
+# DL4J names that differ from dl4py's for the *same* function. DL4J's LossFunctions maps
+# SQUARED_LOSS to LossMSE, and its LossSparseMCXENT is LossMCXENT taking class indices
+# (dl4py's mcxent takes either). DL4J's L1 and L2 losses *sum* over outputs, so they are
+# not mse and get no alias. An alias applies only where its target is one of the choices.
+DL4J_ALIASES = {"squaredloss": "mse", "sparsemcxent": "mcxent"}
+
+
+def _name_key(name: str) -> str:
+    qualified = _QUALIFIED.match(name)
+    if qualified:
+        name = qualified.group(1)
+    return re.sub(r"[-_\s]", "", name).lower()
+
+
+def canonical_name(value: Any, choices) -> Any:
+    """The one of ``choices`` that ``value`` names in any spelling, or None.
+
+    >>> canonical_name("NEGATIVELOGLIKELIHOOD", ("negativeloglikelihood", "mse"))
+    'negativeloglikelihood'
+    """
+    if not isinstance(value, str):
+        return value if value in choices and not isinstance(value, bool) else None
+    key = _name_key(value)
+    key = DL4J_ALIASES.get(key, key)
+    for choice in choices:
+        if isinstance(choice, str) and _name_key(choice) == key:
+            return choice
+    return None
 
 
 def join(where: str, key: str | int) -> str:
@@ -61,9 +105,15 @@ def coerce(value: Any, tp, where: str) -> Any:
         raise ConfigError(where, f"must be {_type_name(tp)}, got {value!r}")
     if origin is Literal:
         choices = get_args(tp)
-        if isinstance(value, str) and value.lower() in choices:
-            return value.lower()
+        name = canonical_name(value, choices)
+        if name is not None:
+            return name
         raise ConfigError(where, f"must be one of {', '.join(map(repr, choices))}; got {value!r}")
+    if origin is tuple and get_args(tp)[-1:] == (Ellipsis,):  # tuple[Layer, ...]: any length
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(where, f"must be a list, got {value!r}")
+        item = get_args(tp)[0]
+        return tuple(coerce(v, item, join(where, i)) for i, v in enumerate(value))
     if origin is tuple:
         args = get_args(tp)
         # A single number stands for the same value in every dimension (kernel_size: 5).
@@ -119,13 +169,25 @@ def to_plain(value: Any) -> Any:
     return value
 
 
+@functools.cache  # resolving string annotations is slow, and every config construction asks
 def field_types(cls) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
 
 
+# The key path of the object ``dataclass_from_dict`` is constructing, as (class, path):
+# ``__post_init__`` takes no arguments, and this is how it learns that it is
+# ``network.layers[2]`` rather than a ConvolutionLayer built on its own. The class is kept
+# so that a default made while constructing (``updater=Sgd()``) does not take the path.
+_BUILDING: contextvars.ContextVar[tuple[type, str] | None] = contextvars.ContextVar(
+    "dl4py_config_building", default=None
+)
+
+
 def dataclass_from_dict(cls, data: Any, where: str, skip: tuple[str, ...] = ()):
     """Build dataclass ``cls`` from ``data``; unknown keys and wrong types are ConfigErrors."""
+    if not issubclass(cls, ConfigBase):  # its constructor is what checks the values
+        raise TypeError(f"schema: {cls.__name__} must derive from ConfigBase")
     if not isinstance(data, dict):
         raise ConfigError(where, f"must be a mapping, got {data!r}")
     types_ = field_types(cls)
@@ -135,24 +197,15 @@ def dataclass_from_dict(cls, data: Any, where: str, skip: tuple[str, ...] = ()):
             join(where, unknown[0]),
             f"unknown field for {cls.__name__}; valid fields: {', '.join(sorted(types_))}",
         )
-    kwargs = {k: coerce(v, types_[k], join(where, k)) for k, v in data.items() if k in types_}
-    try:
-        obj = cls(**kwargs)
-    except TypeError as exc:  # a required field is missing
-        missing = [
-            f.name
-            for f in dataclasses.fields(cls)
-            if f.name not in kwargs
-            and f.default is dataclasses.MISSING
-            and f.default_factory is dataclasses.MISSING
-        ]
-        if missing:
-            raise ConfigError(join(where, missing[0]), f"is required for {cls.__name__}") from None
-        raise ConfigError(where, str(exc)) from None
-    validate = getattr(obj, "validate", None)
-    if validate is not None:
-        validate(where)
-    return obj
+    for f in dataclasses.fields(cls):
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if f.init and required and f.name not in data:
+            raise ConfigError(join(where, f.name), f"is required for {cls.__name__}")
+    token = _BUILDING.set((cls, where))
+    try:  # the constructor checks and converts the values: see ConfigBase.__post_init__
+        return cls(**{k: v for k, v in data.items() if k in types_})
+    finally:
+        _BUILDING.reset(token)
 
 
 def dataclass_to_dict(obj) -> dict:
@@ -161,6 +214,25 @@ def dataclass_to_dict(obj) -> dict:
 
 class ConfigBase:
     """Mixin for config dataclasses: typed from_dict / to_dict and validation hook."""
+
+    # The path errors name when the object is built directly rather than from data
+    # (None: the class name, as in ``ConvolutionLayer.kernel_size``).
+    config_path: typing.ClassVar[str | None] = None
+
+    def __post_init__(self) -> None:
+        # The one validation path: every field to its canonical form (or a ConfigError
+        # naming it), then the checks beyond types. A subclass extends ``validate``.
+        building = _BUILDING.get()
+        if building is not None and building[0] is type(self):
+            where = building[1]
+        else:
+            where = self.config_path if self.config_path is not None else type(self).__name__
+        for name, tp in field_types(type(self)).items():
+            value = getattr(self, name)
+            canonical = coerce(value, tp, join(where, name))
+            if canonical is not value:
+                object.__setattr__(self, name, canonical)  # frozen: this is its construction
+        self.validate(where)
 
     @classmethod
     def from_dict(cls, data: Any, where: str = ""):
@@ -195,8 +267,8 @@ class TaggedConfig(ConfigBase):
         if not isinstance(data, dict):
             raise ConfigError(where, f"must be a mapping with a 'type' key, got {data!r}")
         if cls.type_name is not None:  # a concrete class: the tag is optional but must agree
-            name = str(data.get("type", cls.type_name)).lower()
-            if name != cls.type_name:
+            name = data.get("type", cls.type_name)
+            if canonical_name(name, (cls.type_name,)) is None:
                 raise ConfigError(join(where, "type"), f"expected {cls.type_name!r}, got {name!r}")
             return dataclass_from_dict(cls, data, where, skip=("type",))
         if "type" not in data:
@@ -204,7 +276,7 @@ class TaggedConfig(ConfigBase):
                 join(where, "type"), f"is required; one of: {', '.join(sorted(cls.registry))}"
             )
         name = data["type"]
-        sub = cls.registry.get(str(name).lower().replace("-", "_"))
+        sub = cls.registry.get(canonical_name(name, tuple(cls.registry)))
         if sub is None:
             raise ConfigError(
                 join(where, "type"),

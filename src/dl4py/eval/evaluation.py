@@ -29,13 +29,22 @@ class Evaluation:
     DL4J, two-class evaluations are macro-averaged too: ``precision(1)`` gives DL4J's
     binary default (positive class 1). With no examples, the metrics are 0.0, as in DL4J.
 
+    ``top_n`` > 1 also counts top-N accuracy (DL4J's ``topN``): an example is correct when
+    fewer than ``top_n`` classes score strictly higher than its actual class, so a class
+    tied with the actual one does not push it out (DL4J's rule). It needs ``[n, k]``
+    predictions.
+
     >>> ev = Evaluation(num_classes=3)
     >>> ev.eval(torch.tensor([0, 1, 2]), torch.tensor([[2.0, 0.1, 0.3], [0.2, 1.5, 0.1], [3.0, 0.0, 0.0]]))
     >>> ev.accuracy()
     0.6666666666666666
     """
 
-    def __init__(self, num_classes: int | None = None, labels: list[str] | None = None):
+    def __init__(self, num_classes: int | None = None, labels: list[str] | None = None, top_n: int = 1):
+        if isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1:
+            raise ConfigError("top_n", f"must be an int >= 1, got {top_n!r}")
+        self.top_n = top_n
+        self._top_n_correct = 0
         if num_classes is not None:
             if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
                 raise ConfigError("num_classes", f"must be an int >= 2, got {num_classes!r}")
@@ -70,6 +79,9 @@ class Evaluation:
                 f"labels has {labels.shape[0]} rows but predictions has {predictions.shape[0]}; "
                 "they must describe the same examples")
         k = self._resolve_num_classes(labels, predictions)
+        if self.top_n > 1 and predictions.dim() != 2:
+            raise ValueError(f"predictions: top_n={self.top_n} needs [n, k] scores, got class indices "
+                             f"of shape {list(predictions.shape)}")
         actual = _class_indices(labels, "labels")
         predicted = _class_indices(predictions, "predictions")
         # One transfer per call: the argmax ran where the data lives, only indices move.
@@ -80,6 +92,8 @@ class Evaluation:
         _check_range(actual, labels, "labels", k)
         _check_range(predicted, predictions, "predictions", k)
         counts = torch.bincount(actual * k + predicted, minlength=k * k).reshape(k, k)
+        if self.top_n > 1:
+            self._top_n_correct += _top_n_hits(predictions, actual, self.top_n)
         # Only a batch that passed every check may fix an inferred num_classes.
         self._cm = counts if self._cm is None else self._cm + counts
 
@@ -95,6 +109,9 @@ class Evaluation:
                 f"into one of {self.num_classes} classes")
         if self._labels is not None and other._labels is not None and self._labels != other._labels:
             raise ValueError(f"merge: class names differ: {self._labels} vs {other._labels}")
+        if self.top_n != other.top_n:
+            raise ValueError(f"merge: top_n differs: {self.top_n} vs {other.top_n}")
+        self._top_n_correct += other._top_n_correct
         self._labels = self._labels or other.labels
         self._cm = other._cm.clone() if self._cm is None else self._cm + other._cm
 
@@ -157,6 +174,14 @@ class Evaluation:
         n = self.num_examples()
         return 0.0 if n == 0 else int(self._cm.diagonal().sum()) / n
 
+    def top_n_accuracy(self) -> float:
+        """Fraction of examples whose actual class is among the ``top_n`` highest scores
+        (ties counted as correct); ``accuracy()`` when top_n is 1."""
+        if self.top_n == 1:
+            return self.accuracy()
+        n = self.num_examples()
+        return 0.0 if n == 0 else self._top_n_correct / n
+
     def precision(self, cls: int | None = None) -> float:
         """TP / (TP + FP) of class ``cls`` (0.0 if it was never predicted), or the macro average."""
         return self._metric("precision", cls)
@@ -208,7 +233,7 @@ class Evaluation:
         if self._cm is None:
             return {"num_classes": None, "labels": self.labels, "num_examples": 0, "accuracy": 0.0,
                     "precision": 0.0, "recall": 0.0, "f1": 0.0, "per_class": {},
-                    "excluded": {}, "confusion_matrix": []}
+                    "excluded": {}, "confusion_matrix": [], **self._top_n_fields()}
         per_class = self._per_class()
         per_class["num_examples"] = self.class_counts().tolist()
         return {
@@ -222,7 +247,11 @@ class Evaluation:
             "per_class": per_class,
             "excluded": {m: self.excluded(m) for m in ("precision", "recall", "f1")},
             "confusion_matrix": self._cm.tolist(),
+            **self._top_n_fields(),
         }
+
+    def _top_n_fields(self) -> dict:
+        return {"top_n": self.top_n, "top_n_accuracy": self.top_n_accuracy()} if self.top_n > 1 else {}
 
     def stats(self, confusion: bool | None = None) -> str:
         """DL4J-style report. ``confusion`` forces the matrix on or off (default: up to 20 classes)."""
@@ -244,6 +273,8 @@ class Evaluation:
                  f" # of classes:    {k}",
                  f" # of examples:   {self.num_examples()}",
                  f" Accuracy:        {self.accuracy():.4f}"]
+        if self.top_n > 1:
+            lines.append(f" {f'Top {self.top_n} Accuracy:':<17}{self.top_n_accuracy():.4f}")
         for title, metric in (("Precision", "precision"), ("Recall", "recall"), ("F1 Score", "f1")):
             line = f" {title + ':':<17}{getattr(self, metric)():.4f}"
             n_out = len(self.excluded(metric))
@@ -324,6 +355,13 @@ def _class_indices(x: torch.Tensor, name: str) -> torch.Tensor:
     if x.is_floating_point():
         idx = torch.where(x.isnan().any(dim=1), -1, idx)
     return idx
+
+
+def _top_n_hits(scores: torch.Tensor, actual: torch.Tensor, n: int) -> int:
+    """Rows where fewer than ``n`` classes score strictly higher than the actual class."""
+    actual = actual.to(scores.device)
+    own = scores.gather(1, actual.unsqueeze(1))
+    return int(((scores > own).sum(dim=1) < n).sum())
 
 
 def _check_range(idx: torch.Tensor, original: torch.Tensor, name: str, k: int) -> None:

@@ -156,6 +156,10 @@ class OutputLoss:
     """
 
     def __init__(self, layer: OutputLayer):
+        if layer.loss not in ("negativeloglikelihood", "mcxent", "xent", "mse"):
+            # The config admits only canonical names; a loss without a branch below must
+            # not quietly train as the last one (DL4J's "NEGATIVELOGLIKELIHOOD" once did).
+            raise TypeError(f"OutputLoss has no rule for loss {layer.loss!r}")
         self.loss = layer.loss
         self.activation = layer.resolved_activation()
         self.n_out = layer.n_out
@@ -173,6 +177,7 @@ class OutputLoss:
                 return F.binary_cross_entropy_with_logits(scores, target)
             probs = self._act(scores).clamp(1e-7, 1 - 1e-7)
             return F.binary_cross_entropy(probs, target)
+        assert self.loss == "mse"
         return F.mse_loss(self._act(scores), self._rows(labels, scores))
 
     def _rows(self, labels: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

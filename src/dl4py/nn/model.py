@@ -16,16 +16,20 @@ from torch import nn
 
 from dl4py.backend import Backend, Precision, resolve_backend, resolve_precision
 from dl4py.data.dataset import DataSet
-from dl4py.errors import BackendError, DataError
+from dl4py.errors import BackendError, ConfigError, DataError
 from dl4py.nn.master_weights import MasterWeights
 from dl4py.nn.memory_format import to_channels_last, use_channels_last
 
 if TYPE_CHECKING:
     from dl4py.eval import Evaluation
+    from dl4py.train.history import History
 
 
 class Model:
     kind = "model"
+    # The fitted Normalizer applied to raw features on the device (set_normalizer); saved in
+    # the model file. A class default, so models unpickled from before it existed have one.
+    normalizer = None
 
     def __init__(self, backend: str | Backend | None = None, precision: str | Precision | None = None):
         self._requested_backend = backend
@@ -166,23 +170,40 @@ class Model:
         return sum(p.numel() for p in self.module.parameters())
 
     # ---- training ----------------------------------------------------------------------
-    def fit(self, data, epochs: int = 1, listeners: Iterable = (), batch_size: int | None = None):
+    def fit(self, data, epochs: int = 1, listeners: Iterable = (), batch_size: int | None = None, *,
+            validation=None, validation_split: float | None = None, metrics=None,
+            shuffle: bool | None = None, label=None, features=None) -> "History":
         """Train for ``epochs`` more epochs on a DataSetIterator (or a DataSet / (x, y) pair).
 
-        Returns the list of per-epoch summaries. Ctrl-C stops after the current step,
-        leaves the model consistent and raises ``TrainingInterrupted``.
+        ``validation`` (the same kinds of data) or ``validation_split`` (a fraction of the
+        training data, held out by a seeded permutation) scores the model after each epoch:
+        ``val_loss`` and ``val_<metric>`` for each of ``metrics`` (default: accuracy).
+        Returns a ``History`` (Keras' shape: ``history.history["val_accuracy"]``). Ctrl-C
+        stops after the current step, leaves the model consistent and raises
+        ``TrainingInterrupted``.
         """
         from dl4py.train.loop import fit
+        from dl4py.train.validation import split_validation
 
-        iterator = as_iterator(data, batch_size)
+        # Arrays, DataFrames and Datasets are batched by dl4py (32 by default) and shuffled each
+        # epoch by the model's seed; label=/features= name columns (docs/data.md).
+        iterator = as_iterator(data, batch_size, shuffle=shuffle, seed=self.seed, label=label,
+                               features=features, training=True)
+        if validation is not None and validation_split is not None:
+            raise ConfigError("validation_split", "give validation= or validation_split=, not both")
+        if validation_split is not None:
+            iterator, validation = split_validation(iterator, validation_split)
+        elif validation is not None:
+            validation = as_iterator(validation, None)
         self.check_data(iterator)  # every label, before the first step rather than at a torch error
-        return fit(self, iterator, epochs, list(listeners))
+        return fit(self, iterator, epochs, list(listeners), validation=validation,
+                   metrics=None if metrics is None else list(metrics))
 
     def request_stop(self, reason: str) -> None:
         """Ask the running ``fit`` to stop after the current step (used by early stopping)."""
         self._stop_reason = reason
 
-    def score(self, data=None) -> float:
+    def score(self, data=None, *, batch_size: int | None = None, label=None, features=None) -> float:
         """Loss of the last training minibatch (DL4J's ``score()``), or mean loss on ``data``."""
         if data is None:
             if self._last_score is None:
@@ -190,7 +211,7 @@ class Model:
             return float(self._last_score)
         total, count = 0.0, 0
         with self._inference():
-            for batch in as_iterator(data, None):
+            for batch in as_iterator(data, batch_size, label=label, features=features):
                 x, y = self._prepare(batch)
                 with self.precision.forward_context(self.backend.device):
                     total += float(self.loss(self.module(x), y)) * x.shape[0]
@@ -198,9 +219,12 @@ class Model:
         return total / max(count, 1)
 
     # ---- inference ---------------------------------------------------------------------
-    def output(self, features, batch_size: int = 4096) -> torch.Tensor:
-        """Predictions for ``features`` (numpy or tensor, ``[n, ...]``), on the model's device."""
+    def output(self, features, batch_size: int = 4096, *, label=None) -> torch.Tensor:
+        """Predictions for ``features`` (numpy or tensor ``[n, ...]``, or any data ``fit`` takes:
+        its labels, or a DataFrame's ``label`` column, are left out), on the model's device."""
         self.init()
+        if not isinstance(features, (torch.Tensor, np.ndarray)):
+            features = torch.cat([b.features for b in as_iterator(features, batch_size, label=label, labelled=False)])
         x = _as_tensor(features, "features")
         self.check_features(x, "output(features)")
         outs = []
@@ -211,18 +235,63 @@ class Model:
                     outs.append(self.activate(self.module(chunk)))
         return torch.cat(outs) if outs else torch.empty(0, device=self.backend.device)  # where outputs live
 
-    def evaluate(self, data) -> "Evaluation":
-        """Classification statistics over every batch of ``data``."""
-        from dl4py.eval import Evaluation
+    def evaluate(self, data, *, batch_size: int | None = None, label=None, features=None) -> "Evaluation":
+        """Statistics over every batch of ``data``: a ``RegressionEvaluation`` when the output's
+        loss is a regression loss (mse, l1, ...: DL4J's ``evaluateRegression``) and the labels
+        are not class indices, else a classification ``Evaluation``."""
+        from dl4py.eval.select import new_evaluation
 
-        evaluation = Evaluation()
+        evaluations = []  # made at the first batch, when the labels' kind is known
+
+        def add(labels, predictions):
+            if not evaluations:
+                evaluations.append(new_evaluation(self, labels))
+            evaluations[0].eval(labels, predictions)
+
+        self._evaluate_into(data, add, batch_size, label, features)
+        return evaluations[0] if evaluations else new_evaluation(self)
+
+    def evaluate_roc(self, data, threshold_steps: int = 0, *, batch_size: int | None = None, label=None,
+                     features=None):
+        """DL4J's ``evaluateROC``: a ``ROC`` (AUROC, AUPRC) of a one-column sigmoid or two-column
+        softmax output (positive class 1), a one-vs-all ``ROCMultiClass`` for more columns.
+        ``threshold_steps`` 0 is exact; N counts at DL4J's N + 1 fixed thresholds instead."""
+        from dl4py.eval.roc import ROC
+        from dl4py.eval.select import new_roc
+
+        rocs = []  # made at the first batch, when the output's width is known
+
+        def add(labels, predictions):
+            if not rocs:
+                rocs.append(new_roc(predictions, threshold_steps))
+            rocs[0].eval(labels, predictions)
+
+        self._evaluate_into(data, add, batch_size, label, features)
+        return rocs[0] if rocs else ROC(threshold_steps)
+
+    def _evaluate_into(self, data, add, batch_size, label, features) -> None:
+        """Call ``add(labels, predictions)`` for every batch; predictions after the output activation."""
         with self._inference():
-            for batch in as_iterator(data, None):
+            for batch in as_iterator(data, batch_size, label=label, features=features):
                 x, y = self._prepare(batch)
                 with self.precision.forward_context(self.backend.device):
-                    scores = self.module(x)
-                evaluation.eval(y, scores)
-        return evaluation
+                    predictions = self.activate(self.module(x))
+                add(y, predictions)
+
+    def set_normalizer(self, normalizer) -> "Model":
+        """Normalize every input from now on (DL4J's ``setPreProcessor`` + ``addNormalizerToModel``):
+        ``fit``, ``evaluate``, ``score`` and ``output`` take raw features and the model applies
+        ``normalizer`` (fitted, from ``dl4py.data.normalizers``) on its device; ``save`` keeps it.
+        None removes it. Returns the model, so ``model.set_normalizer(n).fit(train)`` reads on."""
+        from dl4py.data.normalizers import Normalizer
+
+        if normalizer is not None:
+            if not isinstance(normalizer, Normalizer):
+                raise TypeError(f"set_normalizer needs a dl4py Normalizer, got {type(normalizer).__name__}")
+            if not normalizer.is_fitted:
+                raise DataError(f"{type(normalizer).__name__} is not fitted: call .fit(training_data) first")
+        self.normalizer = normalizer
+        return self
 
     def _prepare(self, batch: DataSet) -> tuple[torch.Tensor, torch.Tensor]:
         device = self.backend.device
@@ -233,7 +302,10 @@ class Model:
         return x, batch.labels.to(device, non_blocking=non_blocking)
 
     def _convert_input(self, x: torch.Tensor) -> torch.Tensor:
-        """Features on the device -> the precision's dtype and the module's memory format."""
+        """Raw features on the device -> normalized, in the precision's dtype and the module's
+        memory format. Every input path (training steps, parallel workers, output) comes here."""
+        if self.normalizer is not None:  # before the dtype cast: normalized in float32, not fp16
+            x = self.normalizer.transform(x)
         x = self.precision.convert_input(x)
         return to_channels_last(x) if self._channels_last else x
 
@@ -284,22 +356,8 @@ def _as_tensor(value, name: str) -> torch.Tensor:
     raise DataError(f"{name} must be a torch tensor or numpy array, got {type(value).__name__}")
 
 
-def as_iterator(data, batch_size: int | None):
-    """Accept a DataSetIterator, a DataSet, or a (features, labels) pair."""
-    from dl4py.data import ArrayDataSetIterator, DataSetIterator
+def as_iterator(data, batch_size: int | None = None, **options):
+    """Any data ``fit`` accepts as a DataSetIterator: see ``dl4py.data.adapters.as_iterator``."""
+    from dl4py.data.adapters import as_iterator as adapt
 
-    if isinstance(data, DataSetIterator):
-        if batch_size is not None:
-            raise ValueError("batch_size applies to arrays; a DataSetIterator has its own batch size")
-        return data
-    if isinstance(data, DataSet):
-        features, labels = data.features, data.labels
-    elif isinstance(data, (tuple, list)) and len(data) == 2:
-        features, labels = _as_tensor(data[0], "features"), _as_tensor(data[1], "labels")
-    else:
-        raise DataError(
-            f"expected a DataSetIterator, a DataSet or a (features, labels) pair, got {type(data).__name__}"
-        )
-    return ArrayDataSetIterator(
-        features, labels, batch_size=batch_size or max(len(features), 1), shuffle=False
-    )
+    return adapt(data, batch_size, **options)

@@ -27,8 +27,8 @@ FORMAT = "dl4py-model"
 FORMAT_VERSION = 1
 KINDS = ("multilayer", "torch_module")
 JSON_LIMIT = 16 * 2**20  # far above any real meta/config/updater JSON; far below a bomb
-_JSON_ENTRIES = ("meta.json", "config.json", "updater.json")
-_TENSOR_ENTRIES = ("weights.safetensors", "master.safetensors", "updater.safetensors")
+_JSON_ENTRIES = ("meta.json", "config.json", "updater.json", "normalizer.json")
+_TENSOR_ENTRIES = ("weights.safetensors", "master.safetensors", "updater.safetensors", "normalizer.safetensors")
 _COUNTERS = ("epoch_count", "iteration_count", "batch_in_epoch", "update_count")
 # safetensors' parser does not document which errors it raises for a bad header or dtype.
 _TENSOR_ERRORS = (SafetensorError, ValueError, TypeError, KeyError, RuntimeError, OverflowError)
@@ -37,7 +37,8 @@ _TENSOR_ERRORS = (SafetensorError, ValueError, TypeError, KeyError, RuntimeError
 @dataclass
 class ModelFile:
     """The checked content of a model file. ``updater`` is the optimizer state dict ready for
-    ``load_state_dict`` (None when the file has none, or the caller skips it)."""
+    ``load_state_dict`` (None when the file has none, or the caller skips it); ``normalizer``
+    the model's fitted Normalizer (None when it has none)."""
 
     path: str  # for messages: the file's path, or "<model bytes>"
     meta: dict[str, Any]
@@ -45,6 +46,7 @@ class ModelFile:
     weights: dict[str, torch.Tensor]
     masters: dict[str, torch.Tensor] | None
     updater: dict | None
+    normalizer: Any = None
 
 
 def read_model_file(source) -> ModelFile:
@@ -66,7 +68,8 @@ def read_model_file(source) -> ModelFile:
         updater = _optimizer_state(
             _json(entries, "updater.json", fail), _tensors(entries, "updater.safetensors", fail), fail
         )
-    return ModelFile(label, meta, config, weights, masters, updater)
+    normalizer = _normalizer(entries, meta["has_normalizer"], fail)
+    return ModelFile(label, meta, config, weights, masters, updater, normalizer)
 
 
 # ---- the zip ------------------------------------------------------------------------------
@@ -145,8 +148,9 @@ def _check_meta(meta: Any, label: str, fail) -> dict:
     meta.setdefault("batch_in_epoch", 0)
     meta.setdefault("update_count", meta["iteration_count"])
     meta.setdefault("has_updater", False)
-    checks = {"has_updater": (bool,), "scaler": (dict, type(None)), "score": (int, float, type(None)),
-              "module_class": (str,)}
+    meta.setdefault("has_normalizer", False)  # files from before normalizers have none
+    checks = {"has_updater": (bool,), "has_normalizer": (bool,), "scaler": (dict, type(None)),
+              "score": (int, float, type(None)), "module_class": (str,)}
     for name, types in checks.items():
         value = meta.get(name)
         if name in meta and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
@@ -186,6 +190,24 @@ def _tensors(entries: dict[str, bytes], name: str, fail) -> dict[str, torch.Tens
         return st_load(entries[name])
     except _TENSOR_ERRORS as exc:
         raise fail(f"{name} is not a safetensors file ({exc})") from None
+
+
+def _normalizer(entries: dict[str, bytes], wanted: bool, fail):
+    """normalizer.json (kind, settings) + normalizer.safetensors (float64 statistics) -> the
+    model's Normalizer, every value checked; None when meta.json says the model has none."""
+    present = [name for name in ("normalizer.json", "normalizer.safetensors") if name in entries]
+    if not wanted:
+        if present:  # a normalizer the model would silently not apply
+            raise fail(f"entry {present[0]} is present but meta.json says has_normalizer is false")
+        return None
+    from dl4py.data.normalizers import normalizer_from_state
+
+    settings = _json(entries, "normalizer.json", fail)
+    stats = _tensors(entries, "normalizer.safetensors", fail)
+    try:
+        return normalizer_from_state(settings, stats)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise fail(f"normalizer.json/normalizer.safetensors: {exc}") from None
 
 
 def _optimizer_state(state_json: Any, tensors: dict[str, torch.Tensor], fail) -> dict:

@@ -4,7 +4,9 @@ Entries: ``meta.json`` (format, kind, counters, precision, versions), ``config.j
 (MultiLayerNetwork only: the network is rebuilt by its constructor), ``weights.safetensors``
 (parameters and buffers, in the model's precision), ``master.safetensors`` (the float32
 master weights of ``half``/``bfloat16`` models), and when asked ``updater.json`` +
-``updater.safetensors`` (the optimizer's state; the loss scaler's state is in meta.json). The file is written to a
+``updater.safetensors`` (the optimizer's state; the loss scaler's state is in meta.json), and
+for a model with a normalizer ``normalizer.json`` + ``normalizer.safetensors`` (its kind,
+settings and float64 statistics: a loaded model normalizes as the saved one). The file is written to a
 temporary name and renamed, so a crash mid-save leaves the previous file intact. Reading is
 ``model_file.read_model_file``: every entry checked, every defect one error naming the file.
 """
@@ -48,6 +50,7 @@ def model_bytes(model, save_updater: bool = True) -> bytes:
         "score": None if model._last_score is None else float(model._last_score),
         "module_class": f"{type(model.module).__module__}.{type(model.module).__qualname__}",
         "has_updater": save_updater,
+        "has_normalizer": model.normalizer is not None,
     }
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_STORED) as zf:
@@ -61,6 +64,10 @@ def model_bytes(model, save_updater: bool = True) -> bytes:
             state_json, state_tensors = _split_optimizer_state(model.optimizer.state_dict())
             zf.writestr("updater.json", json.dumps(state_json))
             zf.writestr("updater.safetensors", st_save(state_tensors))
+        if model.normalizer is not None:
+            settings, stats = model.normalizer.state()
+            zf.writestr("normalizer.json", json.dumps(settings))
+            zf.writestr("normalizer.safetensors", st_save(_cpu_tensors(stats)))
     return buffer.getvalue()
 
 
@@ -118,6 +125,8 @@ def _restore(model, saved: ModelFile) -> None:
         except (ValueError, KeyError, TypeError, RuntimeError, IndexError) as exc:
             raise DataError(f"{path}: the saved updater state does not fit the model's optimizer: {exc!r}") from None
         _match_parameter_layouts(model.optimizer)
+    if saved.normalizer is not None:
+        model.normalizer = saved.normalizer
     model.epoch_count = meta["epoch_count"]
     model.iteration_count = meta["iteration_count"]
     model.batch_in_epoch = meta["batch_in_epoch"]

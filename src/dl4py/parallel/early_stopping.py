@@ -2,10 +2,11 @@
 
 The same controller as the single-device trainer decides: every worker asks the
 iteration conditions (time, NaN) after each round and all stop in the same round if any
-fires; after each epoch worker 0 scores the averaged model, keeps the best one and asks
-the epoch conditions, and the others follow its decision. Unlike DL4J's, the trainer can
-be used again: each ``fit`` starts fresh workers. The best model is chosen the right way
-round for maximised scores (DL4J compared with ``<``).
+fires; after each epoch the coordinating process (rank 0 under torchrun) scores the
+averaged model, saves the best (and latest) one and asks the epoch conditions, and every
+worker follows its decision: only that process writes the saver's files. Unlike DL4J's,
+the trainer can be used again: each ``fit`` starts fresh workers. The best model is
+chosen the right way round for maximised scores (DL4J compared with ``<``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 from dl4py.parallel.wrapper import ParallelWrapper
 from dl4py.train.early_stopping.configuration import ERROR, EarlyStoppingConfiguration, EarlyStoppingResult
 from dl4py.train.early_stopping.controller import EarlyStoppingController
+from dl4py.train.history import History
 from dl4py.train.loop import TrainingInterrupted
 
 log = logging.getLogger("dl4py")
@@ -34,14 +36,12 @@ class EarlyStoppingParallelTrainer:
     def fit(self) -> EarlyStoppingResult:
         controller = EarlyStoppingController(self.config)
         try:
-            self.wrapper._fit(self.train, UNTIL_A_CONDITION_FIRES, self.listeners, False, controller)
+            summaries = self.wrapper._fit(self.train, UNTIL_A_CONDITION_FIRES, self.listeners, False, controller)
         except (TrainingInterrupted, KeyboardInterrupt):
             raise
         except Exception as exc:
             log.error("early stopping: parallel training failed: %s", exc)
             return controller.result(ERROR, f"{type(exc).__name__}: {exc}")
-        report = self.wrapper.last_report
-        if "early_stopping" in report:  # worker 0 decided; under torchrun other ranks did not
-            controller.load_state(report["early_stopping"])
-        kind, details = report["stop"]
-        return controller.result(kind, details)
+        # The controller decided in this process (under torchrun: on rank 0 only).
+        kind, details = self.wrapper.last_report["stop"]
+        return controller.result(kind, details, History(summaries))

@@ -38,3 +38,28 @@ class RoundPlan:
         """Average after every ``frequency`` rounds (counted from the start or resume of the
         epoch: an interrupt averaged just before it), and always after the epoch's last round."""
         return (round_index + 1) % frequency == 0 or round_index == self.rounds - 1
+
+
+@dataclass(frozen=True)
+class OpenRoundPlan:
+    """Rounds over shards that each worker reads itself (a streamed source): how many batches
+    a shard holds is not known before it is read, so the epoch lasts until no worker has a
+    batch left. Each round the workers agree whether any still has one (``worker.py``); a
+    worker whose shard ran dry sits the remaining rounds out, and every example is trained
+    once. ``start`` (the epoch's batches trained before a resume) counts ``workers`` per
+    round: an interrupt stops after a whole round, and each worker skips that many rounds
+    of its own shard."""
+
+    workers: int
+    start: int = 0
+
+    batches = None  # unknown until read
+    rounds = None
+
+    @property
+    def start_rounds(self) -> int:
+        return self.start // self.workers
+
+    def averages_after(self, round_index: int, frequency: int) -> bool:
+        """Every ``frequency`` rounds; the epoch's end, known only once reached, averages apart."""
+        return (round_index + 1) % frequency == 0

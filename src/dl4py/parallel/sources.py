@@ -8,6 +8,9 @@
   batches round-robin into one bounded queue per worker.
 - ``StrideSource``: any other iterator under torchrun (no coordinator): every process
   iterates it and keeps every ``world``-th batch.
+- ``StreamShardSource``: a streamed source that can be sharded (``TableDirectoryIterator``):
+  every worker reads its own files or row groups, so nothing goes through one queue and
+  no worker holds the whole data (``OpenRoundPlan``).
 
 Each yields ``(round_index, DataSet)`` for the rounds its worker trains in; ``start``
 (the batches of the epoch trained before a resume) are left out, and rounds count from
@@ -38,8 +41,25 @@ def batches_per_epoch(iterator) -> int:
     except TypeError:
         raise DataError(
             f"ParallelWrapper needs to know how many batches an epoch has: {type(iterator).__name__} "
-            "has no len(); give it __len__, or use an ArrayDataSetIterator"
+            "has no len(); give it __len__, use an ArrayDataSetIterator, or stream files with a "
+            "TableDirectoryIterator (each worker then reads its own shard)"
         ) from None
+
+
+def is_shardable(iterator) -> bool:
+    """A source every worker can read its own part of (``TableDirectoryIterator``)."""
+    return callable(getattr(iterator, "shard", None)) and callable(getattr(iterator, "batches", None))
+
+
+class StreamShardSource:
+    """Worker ``rank`` of ``world`` reads shard ``rank`` of the source, and skips the rounds
+    of the epoch trained before a resume (``start`` counts ``world`` batches a round)."""
+
+    def __init__(self, iterator):
+        self.iterator = iterator
+
+    def batches(self, epoch: int, rank: int, world: int, start: int = 0) -> Iterator[tuple[int, DataSet]]:
+        return self.iterator.batches(epoch, rank, world, start=start // world)
 
 
 class ShardedSource:

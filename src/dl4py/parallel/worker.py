@@ -11,11 +11,17 @@ stop after that same round, with the replicas just averaged. Voting only where t
 workers synchronise anyway keeps the averaging mode's rare synchronisation rare, and the
 stopped state is one an uninterrupted run passes through, so a resumed run continues
 exactly. The replica's ``batch_in_epoch`` then counts the epoch's batches trained.
+
+Listeners and early stopping: a spawned worker 0 relays its events to the coordinator,
+which runs them (``events.py``); under torchrun, rank 0 runs the fit's listeners and the
+early-stopping controller's epoch decisions itself. Either way every worker asks the
+iteration conditions (time, NaN) about its own losses and all follow rank 0's decision.
 """
 
 from __future__ import annotations
 
 import io
+import itertools
 import logging
 import signal
 import sys
@@ -38,9 +44,13 @@ from dl4py.parallel.averaging import (
     share_gradients,
     stepped_parameters,
 )
-from dl4py.parallel.plan import RoundPlan
+from dl4py.parallel.events import EventRelay
+from dl4py.parallel.messages import Done, Failed
+from dl4py.parallel.plan import OpenRoundPlan, RoundPlan
 from dl4py.parallel.sources import Prefetcher, QueueSource
 from dl4py.process_guard import die_with_parent
+from dl4py.train.early_stopping.controller import first_firing
+from dl4py.train.history import current_learning_rate
 from dl4py.train.loop import EpochSummary, check_finite, epoch_rng
 from dl4py.train.step import make_train_step
 
@@ -54,7 +64,7 @@ class WorkerSpec:
     model_path: str  # the model to replicate, as saved by Model.save
     torch_model: object | None  # a TorchModel (bytes when spawned) to load model_path into; None: MultiLayerNetwork
     source: object | None  # ShardedSource / StrideSource; None: batches come through a queue
-    num_batches: int
+    num_batches: int | None  # None: a streamed source read in shards, its length unknown (OpenRoundPlan)
     epochs: int
     mode: str
     averaging_frequency: int
@@ -66,9 +76,11 @@ class WorkerSpec:
     timeout: float
     threads: int | None = None
     environment: dict | None = None
-    listeners: list = field(default_factory=list)  # run on worker 0
     record_examples: bool = False  # return the first feature of every trained example (for tests)
-    controller: object | None = None  # EarlyStoppingController: stop on its conditions
+    early_stopping: bool = False  # rank 0 decides after each epoch whether all stop
+    iteration_conditions: list = field(default_factory=list)  # early stopping's: every worker asks them
+    relay_epochs: bool = False  # spawned worker 0 sends each epoch's end (and state) to the coordinator
+    relay_iterations: bool = False  # ... and its steps and epoch starts (the coordinator has listeners)
 
 
 def worker_device(spec: WorkerSpec, rank: int) -> torch.device:
@@ -76,8 +88,9 @@ def worker_device(spec: WorkerSpec, rank: int) -> torch.device:
 
 
 def spawned_worker_main(rank, world, spec, init_method, backend, messages, inbox, stop_event, result_path,
-                        parent_pid, interrupt_event):
-    """Entry point of a process the ParallelWrapper started; reports to ``messages``."""
+                        parent_pid, interrupt_event, decisions):
+    """Entry point of a process the ParallelWrapper started; reports to ``messages`` and,
+    as worker 0, reads early-stopping decisions from ``decisions``."""
     die_with_parent(parent_pid)  # a killed coordinator leaves no worker training on
     # Stopping is the coordinator's to decide: a terminal's Ctrl-C, or a SIGTERM sent to the
     # whole process group (`kill -- -PGID`, `timeout`, systemd), reaches the workers too.
@@ -91,12 +104,16 @@ def spawned_worker_main(rank, world, spec, init_method, backend, messages, inbox
             timeout=timedelta(seconds=spec.timeout),
         )
         source = spec.source or QueueSource(inbox, stop_event, spec.timeout)
-        replica, report = train_replica(rank, world, spec, source, interrupt_event.is_set)
+        relay = None
+        if rank == 0 and spec.relay_epochs:
+            relay = EventRelay(messages, decisions, spec.relay_iterations, spec.timeout)
+        replica, report = train_replica(rank, world, spec, source, interrupt_event.is_set,
+                                        listeners=[relay] if relay else [], decide=relay.decision if relay else None)
         if rank == 0:
             replica.save(result_path)
-        messages.put(("done", rank, report))
+        messages.put(Done(rank, report))
     except BaseException:
-        messages.put(("error", rank, str(device), traceback.format_exc()))
+        messages.put(Failed(rank, str(device), traceback.format_exc()))
         messages.close()
         messages.join_thread()
         sys.exit(1)
@@ -119,9 +136,13 @@ def build_replica(spec: WorkerSpec, device: torch.device):
     return model
 
 
-def train_replica(rank: int, world: int, spec: WorkerSpec, source, should_stop=None):
+def train_replica(rank: int, world: int, spec: WorkerSpec, source, should_stop=None, listeners=(), decide=None):
     """Train this worker's replica for ``spec.epochs`` epochs, or until ``should_stop()`` says
-    so on any worker (it must be given on all or none); returns the replica and a report."""
+    so on any worker (it must be given on all or none); returns the replica and a report.
+
+    ``listeners`` see this replica's events (rank 0's: the fit's listeners under torchrun, the
+    relay to the coordinator when spawned); with ``spec.early_stopping``, rank 0's
+    ``decide(replica)`` says after each epoch why all should stop, or None."""
     device = worker_device(spec, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -143,13 +164,11 @@ def train_replica(rank: int, world: int, spec: WorkerSpec, source, should_stop=N
             share_gradients(params, took_part)
 
     step = make_train_step(replica, gradient_hook=hook)
-    listeners = spec.listeners if rank == 0 else []
     for listener in listeners:
         listener.on_fit_start(replica)
     report = {"summaries": [], "records": [], "stop": None, "interrupted": False}
-    controller = spec.controller
-    if controller is not None:
-        controller.start(replica.epoch_count)
+    for condition in spec.iteration_conditions:
+        condition.initialize()  # MaxTime counts from here, in this process
     try:
         for _ in range(spec.epochs):
             summary = _train_epoch(replica, step, rank, world, spec, source, device, report, listeners, should_stop)
@@ -160,24 +179,21 @@ def train_replica(rank: int, world: int, spec: WorkerSpec, source, should_stop=N
                 listener.on_epoch_end(replica, summary)
             if report["interrupted"]:
                 break  # asked in the epoch's last round: the epoch is complete
-            if controller is not None and _epoch_decision(replica, controller, rank, device, report):
+            if spec.early_stopping and _epoch_decision(replica, decide, rank, device, report):
                 break
     finally:
-        # An interrupted fit ends in the coordinator, which owns the run directory: it
-        # restores this replica's state and calls on_fit_end(model, True) itself.
-        if not report["interrupted"]:
-            for listener in listeners:
-                listener.on_fit_end(replica, False)
+        # A spawned worker 0's listener is the relay: an interrupted fit ends in the
+        # coordinator, which restores this replica's state and runs on_fit_end(model, True).
+        for listener in listeners:
+            listener.on_fit_end(replica, report["interrupted"])
     if spec.record_examples:
         report["records"] = torch.cat(report["records"]).tolist() if report["records"] else []
-    if controller is not None and rank == 0:
-        report["early_stopping"] = controller.state()  # plain data: scores, best epoch, saver
     return replica, report
 
 
-def _epoch_decision(replica, controller, rank, device, report) -> bool:
-    """Worker 0 scores the (averaged) replica and asks the epoch conditions; all follow it."""
-    reason = controller.end_of_epoch(replica, replica.epoch_count - 1) if rank == 0 else None
+def _epoch_decision(replica, decide, rank, device, report) -> bool:
+    """Rank 0 has the (averaged) replica scored and the epoch conditions asked; all follow it."""
+    reason = decide(replica) if rank == 0 else None
     flag = torch.tensor([1.0 if reason is not None else 0.0], device=device)
     dist.broadcast(flag, src=0)
     if flag.item() > 0:
@@ -186,10 +202,10 @@ def _epoch_decision(replica, controller, rank, device, report) -> bool:
     return False
 
 
-def _iteration_stop(controller, last_loss, mine: bool, device) -> str | None:
+def _iteration_stop(conditions, last_loss, mine: bool, device) -> str | None:
     """Every worker asks the iteration conditions about its own last loss; if any fires,
     all stop in this round. The reason reported is the first firing worker's."""
-    local = controller.check_iteration(float(last_loss)) if mine and last_loss is not None else None
+    local = first_firing(conditions, float(last_loss)) if mine and last_loss is not None else None
     flag = torch.tensor([1.0 if local is not None else 0.0], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item() == 0:
@@ -209,7 +225,7 @@ def _stop_vote(wanted: bool, device) -> bool:
 def _train_epoch(replica, step, rank, world, spec, source, device, report, listeners, should_stop) -> EpochSummary:
     epoch = replica.epoch_count
     start = replica.batch_in_epoch  # > 0: resumed after an interrupt part-way through this epoch
-    plan = RoundPlan(spec.num_batches, world, start)
+    plan = RoundPlan(spec.num_batches, world, start) if spec.num_batches is not None else OpenRoundPlan(world, start)
     if spec.num_batches and spec.num_batches < world:
         raise DataError(
             f"the data has {plan.batches} batches per epoch but there are {world} workers; "
@@ -221,18 +237,24 @@ def _train_epoch(replica, step, rank, world, spec, source, device, report, liste
     examples = batches = 0
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     last_loss, trained_since_average = None, False
-    rounds_done = 0
+    rounds_done, averaged = 0, True
     prefetcher = Prefetcher(source.batches(epoch, rank, world, start), device, spec.prefetch,
                             pin=environment().pinned_memory, timeout=spec.timeout)
     batches_in = iter(prefetcher)
     try:
         with epoch_rng(replica, epoch, stream=rank):  # distinct dropout masks per worker
-            for round_index in range(plan.rounds):
-                mine = plan.batch_of(round_index, rank) is not None
-                if mine:
+            for round_index in range(plan.rounds) if plan.rounds is not None else itertools.count():
+                if plan.rounds is None:  # a streamed shard: go on while any worker has a batch
                     item = next(batches_in, None)
-                    if item is None:
+                    if not _any_left(item is not None, device):
+                        break
+                    mine = item is not None
+                else:
+                    mine = plan.batch_of(round_index, rank) is not None
+                    item = next(batches_in, None) if mine else None
+                    if mine and item is None:
                         raise DataError(f"worker {rank} ran out of batches in round {round_index} of epoch {epoch}")
+                if mine:
                     _, features, labels = item
                     features = replica._convert_input(features)  # dtype and memory format
                     if batches == 0:
@@ -251,21 +273,27 @@ def _train_epoch(replica, step, rank, world, spec, source, device, report, liste
                 elif spec.mode == "shared_gradients":
                     step(None, None)  # apply the shared update without a batch of its own
                 stop = None
-                if spec.controller is not None and spec.controller.config.iteration_conditions:
+                if spec.iteration_conditions:
                     # Only then: asking means a collective and a read of the loss every round.
-                    stop = _iteration_stop(spec.controller, last_loss, mine, device)
+                    stop = _iteration_stop(spec.iteration_conditions, last_loss, mine, device)
                 last_round = plan.averages_after(round_index, spec.averaging_frequency)
                 halt = should_stop is not None and last_round and _stop_vote(should_stop(), device)
                 if spec.mode == "averaging" and (last_round or stop is not None):
                     _average(replica, spec, rank, round_index, last_loss, trained_since_average, device)
                     trained_since_average = False
                 rounds_done = round_index + 1
+                averaged = last_round or stop is not None
                 if stop is not None:
                     report["stop"] = ("IterationTerminationCondition", stop)
                     break
                 if halt:
                     report["interrupted"] = True
                     break
+            else:
+                averaged = True  # a fixed plan's last round averages
+            if spec.mode == "averaging" and plan.rounds is None and not averaged and rounds_done:
+                # A streamed epoch's end is known only once no worker has a batch: average now.
+                _average(replica, spec, rank, rounds_done - 1, last_loss, trained_since_average, device)
     finally:
         prefetcher.close()
     totals = torch.tensor([examples, batches, float(loss_sum)], dtype=torch.float64, device=device)
@@ -273,16 +301,29 @@ def _train_epoch(replica, step, rank, world, spec, source, device, report, liste
     all_examples, all_batches, all_loss = int(totals[0]), int(totals[1]), float(totals[2])
     if spec.mode == "shared_gradients":
         replica._last_score = torch.tensor(all_loss / max(all_batches, 1))
-    completed = report["stop"] is None and rounds_done == plan.rounds
+    if plan.rounds is None:
+        completed = report["stop"] is None and not report.get("interrupted")
+    else:  # an interrupt in the last round still completes the epoch
+        completed = report["stop"] is None and rounds_done == plan.rounds
     if completed:
         check_finite(replica, totals[2], epoch)
         replica.epoch_count += 1
         replica.batch_in_epoch = 0
+    elif plan.rounds is None:
+        replica.batch_in_epoch = start + rounds_done * world  # each worker skips that many rounds
     else:
         replica.batch_in_epoch = start + all_batches  # where a resumed run continues
     replica.iteration_count += all_batches
     return EpochSummary(epoch, all_batches, all_examples, all_loss / max(all_batches, 1),
-                        time.perf_counter() - started, completed=completed)
+                        time.perf_counter() - started, completed=completed,
+                        learning_rate=current_learning_rate(replica))
+
+
+def _any_left(mine: bool, device) -> bool:
+    """Whether any worker still has a batch (one small all-reduce a round, streamed shards only)."""
+    flag = torch.tensor([1.0 if mine else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item() > 0)
 
 
 def _average(replica, spec, rank, round_index, last_loss, took_part, device) -> None:
@@ -292,7 +333,7 @@ def _average(replica, spec, rank, round_index, last_loss, took_part, device) -> 
         replica.master.master_to_module()
     score = mean_over_participants(last_loss, took_part, device)
     replica._last_score = torch.tensor(score)
-    if spec.controller is None:  # with early stopping, its InvalidScore decides instead
+    if not spec.early_stopping:  # with early stopping, its InvalidScore decides instead
         check_finite(replica, replica._last_score, replica.epoch_count)  # same verdict on every worker
     if spec.report_score and rank == 0:
         log.info(

@@ -9,6 +9,10 @@ Workers are processes on ``torch.distributed``; worker ``i`` runs on device
 watches them; under ``torchrun`` (any number of nodes) it runs as the launched process's
 worker instead. Afterwards ``model`` holds the averaged parameters (and updater state).
 
+With spawned workers, this process alone runs the fit's listeners (and early stopping's
+scoring, saving and decisions), on events worker 0 relays (``events.py``); at each epoch
+end ``model`` takes worker 0's averaged state first. Under torchrun, rank 0 runs them.
+
 Ctrl-C or SIGTERM while spawned workers train: the workers stop together after the next
 averaging round, worker 0's replica comes back, and the listeners' ``on_fit_end(model,
 interrupted=True)`` runs here (a CheckpointListener keeps a checkpoint that ``fit``
@@ -19,6 +23,7 @@ Spawned workers die with this process, even when it is killed outright.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import logging
 import os
@@ -36,17 +41,23 @@ import torch.multiprocessing as mp
 
 from dl4py.backend.cuda_environment import environment
 from dl4py.errors import ConfigError, TrainingError, WorkerError
-from dl4py.nn.model import Model
+from dl4py.nn.model import Model, as_iterator
 from dl4py.nn.serialization import restore_state
+from dl4py.parallel.events import EventReplay
+from dl4py.parallel.messages import Done, Failed
 from dl4py.parallel.sources import (
     ShardedSource,
     StrideSource,
+    StreamShardSource,
     batches_per_epoch,
+    is_shardable,
     deal_batches,
 )
 from dl4py.parallel.worker import WorkerSpec, spawned_worker_main, train_replica
+from dl4py.train.history import History
 from dl4py.train.interrupt import DeferredInterrupt
 from dl4py.train.loop import EpochSummary, TrainingInterrupted
+from dl4py.train.validation import EpochValidation
 
 log = logging.getLogger("dl4py")
 
@@ -57,6 +68,8 @@ GRACE_SECONDS = 3.0
 # replica and memory, and they take turns on the cores.
 CPU_WORKERS_PER_CORE = 4
 SETTLE_SECONDS = 2.0
+# Messages read per pass of the watch loop: it must also look at the workers in between.
+MESSAGES_PER_PASS = 64
 # Signs in a worker's traceback that it failed only because a peer went away.
 LOST_PEER_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
                    "DistNetworkError", "NCCL communicator was aborted", "Socket Timeout")
@@ -117,17 +130,29 @@ class ParallelWrapper:
         self.last_records: dict[int, list[float]] = {}
 
     # ---- public ---------------------------------------------------------------------------
-    def fit(self, iterator, epochs: int = 1, listeners=(), _record_examples: bool = False) -> list[EpochSummary]:
-        """Train ``epochs`` epochs; the model then holds the averaged parameters."""
+    def fit(self, iterator, epochs: int = 1, listeners=(), *, validation=None, metrics=None,
+            _record_examples: bool = False) -> History:
+        """Train ``epochs`` epochs; the model then holds the averaged parameters. With
+        ``validation`` (anything ``Model.fit`` accepts), the averaged model is scored after
+        each epoch, as ``Model.fit`` does. Returns the History of the epochs."""
         if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
             raise ConfigError("epochs", f"must be a positive integer, got {epochs!r}")
-        return self._fit(iterator, epochs, listeners, _record_examples, None)
+        validator = None
+        if validation is not None:
+            validator = EpochValidation(as_iterator(validation, None), None if metrics is None else list(metrics))
+            listeners = [validator, *listeners]
+        summaries = self._fit(iterator, epochs, listeners, _record_examples, None)
+        return History(validator.apply(summaries) if validator is not None else summaries)
 
     def _fit(self, iterator, epochs, listeners, record, controller):
         """Train; with an early-stopping ``controller``, until its conditions say stop.
         ``self.last_report`` then holds worker 0's report (its controller and stop reason)."""
         self.model.init()
+        # Anything Model.fit accepts (a DataLoader, a DataFrame, arrays, ...), as an iterator.
+        iterator = as_iterator(iterator, None, seed=getattr(self.model, "seed", 0), training=True)
         self._controller = controller
+        if controller is not None:
+            controller.start(self.model.epoch_count)
         if launched_by_torchrun():
             return self._fit_launched(iterator, epochs, list(listeners), record)
         return self._fit_spawned(iterator, epochs, list(listeners), record)
@@ -143,16 +168,15 @@ class ParallelWrapper:
             return [f"cuda:{i}" for i in environment().usable_cuda_devices()]
         return ["cpu"]
 
-    def _spec(self, iterator, epochs, listeners, devices, world, record) -> WorkerSpec:
-        from dl4py.data import ArrayDataSetIterator
+    def _spec(self, iterator, epochs, devices, world, record) -> WorkerSpec:
         from dl4py.nn.torch_model import TorchModel
 
         cpu_workers = sum(1 for rank in range(world) if devices[rank % len(devices)] == "cpu")
         return WorkerSpec(
             model_path="",
             torch_model=self.model if isinstance(self.model, TorchModel) else None,
-            source=ShardedSource(iterator) if isinstance(iterator, ArrayDataSetIterator) else None,
-            num_batches=batches_per_epoch(iterator),
+            source=_own_source(iterator),
+            num_batches=None if is_shardable(iterator) else batches_per_epoch(iterator),
             epochs=epochs,
             mode=self.training_mode,
             averaging_frequency=self.averaging_frequency,
@@ -164,9 +188,9 @@ class ParallelWrapper:
             timeout=self.timeout,
             threads=max(1, (os.cpu_count() or 1) // cpu_workers) if cpu_workers else None,
             environment=environment().to_dict(),  # every worker applies the same settings
-            listeners=listeners,
             record_examples=record,
-            controller=getattr(self, "_controller", None),
+            early_stopping=self._controller is not None,
+            iteration_conditions=[] if self._controller is None else list(self._controller.config.iteration_conditions),
         )
 
     @staticmethod
@@ -182,11 +206,13 @@ class ParallelWrapper:
     def _fit_spawned(self, iterator, epochs, listeners, record) -> list[EpochSummary]:
         devices = self._resolve_devices()
         world = self.workers or (len(devices) if devices[0].startswith("cuda") else 2)
-        _check_world(world, devices, batches_per_epoch(iterator))  # before any process starts
-        spec = self._spec(iterator, epochs, listeners, devices, world, record)
+        _check_world(world, devices, iterator)  # before any process starts
+        spec = self._spec(iterator, epochs, devices, world, record)
         if spec.torch_model is not None:
             spec.torch_model = _private_copy(spec.torch_model)
         _check_picklable(spec)
+        replay = EventReplay(self.model, listeners, self._controller)  # the listeners run here
+        spec.relay_epochs, spec.relay_iterations = replay.relays_epochs, replay.relays_iterations
         ctx = mp.get_context("spawn")
         with tempfile.TemporaryDirectory(prefix="dl4py-parallel-") as tmp, DeferredInterrupt() as interrupt:
             spec.model_path = str(Path(tmp) / "model.dl4py")
@@ -196,26 +222,30 @@ class ParallelWrapper:
             backend = self._process_group_backend(devices, world)
             # stop_event tears everything down; interrupt_event asks for a stop at a round boundary.
             messages, stop_event, interrupt_event = ctx.Queue(), ctx.Event(), ctx.Event()
+            replay.decisions = ctx.Queue() if self._controller is not None else None  # read by worker 0
             inboxes = [ctx.Queue(maxsize=max(self.prefetch_buffer, 1)) for _ in range(world)] if spec.source is None else [None] * world
             procs = [
                 ctx.Process(
                     target=spawned_worker_main, name=f"dl4py-worker-{rank}", daemon=True,
                     args=(rank, world, spec, init_method, backend, messages, inboxes[rank], stop_event, result_path,
-                          os.getpid(), interrupt_event),
+                          os.getpid(), interrupt_event, replay.decisions if rank == 0 else None),
                 )
                 for rank in range(world)
             ]
             feeder = (_Feeder(iterator, inboxes, epochs, self.model.epoch_count, stop_event, self.timeout,
                               self.model.batch_in_epoch) if spec.source is None else None)
+            replay.fit_start()
             patience = 0.0  # on any error, workers still running are killed at once
+            failed = True
             try:
                 with _children_ignore_stop_signals():
                     for proc in procs:
                         proc.start()
                 if feeder is not None:
                     feeder.start()
-                reports = self._watch(procs, spec, messages, feeder, interrupt, interrupt_event)
+                reports = self._watch(procs, spec, messages, feeder, interrupt, interrupt_event, replay)
                 patience = GRACE_SECONDS  # they have reported and are exiting on their own
+                failed = False
             except KeyboardInterrupt:  # a second Ctrl-C / SIGTERM
                 raise TrainingInterrupted(f"parallel training stopped by {interrupt.cause or 'Ctrl-C'}; every worker "
                                           "was stopped at once (second signal) and the model keeps its state from "
@@ -223,19 +253,21 @@ class ParallelWrapper:
             finally:
                 stop_event.set()
                 _stop_all(procs, patience)
+                if failed:  # the promise of every failure: the model as it was before this fit
+                    replay.abandon(spec.model_path)
             restore_state(self.model, result_path)
             if interrupt.requested:
-                self._end_interrupted(listeners, interrupt.cause or "Ctrl-C")
+                self._end_interrupted(replay, interrupt.cause or "Ctrl-C")
+            replay.fit_end(False)
         self.last_records = {rank: r["records"] for rank, r in reports.items()}
         self.last_report = reports[0]
         return [_summary(d) for d in reports[0]["summaries"]]
 
-    def _end_interrupted(self, listeners, cause: str) -> None:
+    def _end_interrupted(self, replay: EventReplay, cause: str) -> None:
         """The model holds worker 0's state from the round the workers stopped after; the
         listeners' interrupted end (a CheckpointListener's save) runs in this process, the
         one that owns the run directory."""
-        for listener in listeners:
-            listener.on_fit_end(self.model, True)
+        replay.fit_end(True)
         model = self.model
         raise TrainingInterrupted(
             f"parallel training stopped by {cause}; every worker was stopped after a whole round, "
@@ -243,9 +275,10 @@ class ParallelWrapper:
             "the model is consistent"
         )
 
-    def _watch(self, procs, spec, messages, feeder, interrupt, interrupt_event) -> dict[int, dict]:
-        """Wait for every worker's report; the first failure stops them all and is raised.
-        Once a stop is requested, the workers have ``timeout`` seconds to reach a round boundary."""
+    def _watch(self, procs, spec, messages, feeder, interrupt, interrupt_event, replay) -> dict[int, dict]:
+        """Wait for every worker's report, replaying worker 0's events meanwhile; the first
+        failure stops them all and is raised. Once a stop is requested, the workers have
+        ``timeout`` seconds to reach a round boundary."""
         reports: dict[int, dict] = {}
         failures: dict[int, tuple[str, str]] = {}  # rank -> (kind, detail)
         settle_until = stop_deadline = None
@@ -259,17 +292,22 @@ class ParallelWrapper:
                 raise TrainingInterrupted(
                     f"parallel training stopped by {interrupt.cause}: the workers did not reach a round boundary "
                     f"within timeout={self.timeout:.0f} s and were killed; the model keeps its state from before this fit")
-            message = _get(messages, POLL_SECONDS)
-            if message is not None and message[0] == "done":
-                reports[message[1]] = message[2]
-            elif message is not None:
-                _, rank, _device, trace = message
-                failures[rank] = ("lost-peer" if _is_lost_peer(trace) else "exception", f"raised an exception:\n{trace}")
-            for rank, proc in enumerate(procs):
-                if proc.exitcode is not None and rank not in reports and rank not in failures:
+            # Looked at before reading: a worker that had exited by then has sent all it will.
+            exited = [rank for rank, proc in enumerate(procs) if proc.exitcode is not None]
+            for message in _received(messages, POLL_SECONDS, MESSAGES_PER_PASS):
+                if isinstance(message, Done):
+                    reports[message.rank] = message.report
+                elif isinstance(message, Failed):
+                    trace = message.traceback
+                    kind = "lost-peer" if _is_lost_peer(trace) else "exception"
+                    failures[message.rank] = (kind, f"raised an exception:\n{trace}")
+                else:
+                    replay.handle(message)
+            for rank in exited:
+                if rank not in reports and rank not in failures:
                     # Its own report may still be in flight: see the settling below. A clean
                     # exit without one means its report was lost (e.g. could not be sent).
-                    failures[rank] = ("died", None) if proc.exitcode != 0 else ("silent", None)
+                    failures[rank] = ("died", None) if procs[rank].exitcode != 0 else ("silent", None)
             if feeder is not None and feeder.error is not None:
                 raise TrainingError(f"reading batches for the workers failed: {feeder.error!r}") from feeder.error
             for rank in [r for r in failures if r in reports]:
@@ -307,7 +345,7 @@ class ParallelWrapper:
         # than torchrun), all take the world as one node's, which errs towards gloo.
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         # This node's workers share its cores; other nodes have their own.
-        spec = self._spec(iterator, epochs, listeners, node_devices, local_world, record)
+        spec = self._spec(iterator, epochs, node_devices, local_world, record)
         spec.devices = [node_devices[local_rank % len(node_devices)]] * world  # this process's device, whatever its rank
         if spec.source is None:
             spec.source = StrideSource(iterator)
@@ -320,7 +358,11 @@ class ParallelWrapper:
             with tempfile.TemporaryDirectory(prefix=f"dl4py-rank{rank}-") as tmp:
                 spec.model_path = str(Path(tmp) / "model.dl4py")
                 self.model.save(spec.model_path)
-                replica, report = train_replica(rank, world, spec, spec.source)
+                # Rank 0 runs the listeners and early stopping's decisions: there is no coordinator.
+                lead = rank == 0
+                decide = _decided_here(self._controller) if lead and self._controller is not None else None
+                replica, report = train_replica(rank, world, spec, spec.source, listeners=listeners if lead else [],
+                                                decide=decide)
                 replica.save(Path(tmp) / "result.dl4py")
                 restore_state(self.model, Path(tmp) / "result.dl4py")
         finally:
@@ -378,20 +420,33 @@ def _private_copy(model) -> bytes:
     return buffer.getvalue()
 
 
+def _decided_here(controller):
+    """Early stopping's epoch decision made in this process, on its replica (torchrun's rank 0)."""
+    def decide(replica):
+        return controller.end_of_epoch(replica, replica.epoch_count - 1)
+    return decide
+
+
 def _check_picklable(spec: WorkerSpec) -> None:
-    """Spawned workers receive the spec by pickle; say what cannot travel before starting any."""
-    for name, value in (("iterator", spec.source), ("listeners", spec.listeners)):
+    """Spawned workers receive the spec by pickle; say what cannot travel before starting any.
+    (Listeners stay in this process, which runs them.)"""
+    for name, value in (("iterator", spec.source), ("iteration_conditions", spec.iteration_conditions)):
         try:
             pickle.dumps(value)
         except Exception as exc:
             raise ConfigError(name, f"must be picklable to reach the worker processes: {exc}") from None
 
 
-def _get(q, timeout: float):
+def _received(q, timeout: float, most: int) -> list:
+    """What is waiting in ``q``: up to ``most`` messages, waiting ``timeout`` s for the first."""
+    found = []
     try:
-        return q.get(timeout=timeout)
+        found.append(q.get(timeout=timeout))
+        while len(found) < most:
+            found.append(q.get_nowait())
     except Exception:  # queue.Empty, or a queue torn down with its process
-        return None
+        pass
+    return found
 
 
 def _is_lost_peer(trace: str) -> bool:
@@ -432,8 +487,26 @@ def _children_ignore_stop_signals():
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
-def _check_world(world: int, devices: list[str], batches: int) -> None:
+def _own_source(iterator):
+    """Where workers read their batches themselves (None: the coordinator deals them)."""
+    from dl4py.data import ArrayDataSetIterator
+
+    if isinstance(iterator, ArrayDataSetIterator):
+        return ShardedSource(iterator)
+    if is_shardable(iterator):
+        return StreamShardSource(iterator)
+    return None
+
+
+def _check_world(world: int, devices: list[str], iterator) -> None:
     """Refuse a worker count that cannot work before anything is started, naming the limit."""
+    if is_shardable(iterator):
+        pieces = len(iterator.pieces())
+        if world > pieces:
+            raise ConfigError("workers", f"is {world} but the streamed data has {pieces} pieces (files or Parquet "
+                                         f"row groups) to share out; each worker reads whole pieces: use at most "
+                                         f"{pieces} workers, or split the data into more files")
+    batches = None if is_shardable(iterator) else batches_per_epoch(iterator)
     if batches and world > batches:
         raise ConfigError("workers", f"is {world} but an epoch has only {batches} batches: every worker needs a "
                                      f"batch in the first round; use at most {batches} workers or a smaller batch size")
@@ -456,7 +529,7 @@ def _exit_description(exitcode: int) -> str:
 
 
 def _summary(d: dict) -> EpochSummary:
-    return EpochSummary(d["epoch"], d["batches"], d["examples"], d["mean_loss"], d["seconds"], d["completed"])
+    return EpochSummary(**{f.name: d[f.name] for f in dataclasses.fields(EpochSummary) if f.name in d})
 
 
 def _positive_int(value, name: str) -> int:

@@ -84,7 +84,7 @@ def run(
     """
     plan = None
     if config is not None:
-        plan = make_plan(config, grid, ranges, random, seed, overrides, metric or "test_accuracy")
+        plan = make_plan(config, grid, ranges, random, seed, overrides, metric)
     elif not resume:
         raise ConfigError("config", "a sweep needs a run config (or --resume with --output of an earlier sweep)")
     elif grid or ranges or random is not None or overrides:
@@ -98,8 +98,11 @@ def run(
         return _run(plan, sweep_dir, slots, metric, progress, grace)
 
 
-def make_plan(config, grid, ranges, random, seed, overrides, metric) -> Plan:
-    table.check_metric(metric)
+def make_plan(config, grid, ranges, random, seed, overrides, metric=None) -> Plan:
+    """The sweep's plan; ``metric`` None ranks on the validation score when the config holds
+    validation data out (``data.validation``), else on the test set's."""
+    if metric is not None:
+        table.check_metric(metric)
     if isinstance(config, RunConfig):
         base, name = config, "sweep"
     elif isinstance(config, Mapping):
@@ -107,6 +110,8 @@ def make_plan(config, grid, ranges, random, seed, overrides, metric) -> Plan:
     else:
         base, name = RunConfig.from_file(config), Path(config).stem
     base = base.with_overrides(list(overrides))
+    if metric is None:
+        metric = "val_accuracy" if getattr(base.data, "validation", None) is not None else "test_accuracy"
     check_keys(base, [a.partition("=")[0].strip() for a in overrides], "--set")  # no training.backend
     if base.environment.devices is not None:
         raise ConfigError("environment.devices", "is set by the sweep for each device slot (--devices); remove it")

@@ -72,9 +72,10 @@ class PerformanceListener(TrainingListener):
 
 
 class ProgressBar(TrainingListener):
-    """One line per epoch on stderr: batches done, speed, ETA. Redrawn at most 4 times a second."""
+    """One line per epoch on stderr: batches done, speed, ETA. Redrawn at most 4 times a second.
+    ``batches_per_epoch=None`` (a stream of unknown length): the count and speed, no bar or ETA."""
 
-    def __init__(self, total_epochs: int, batches_per_epoch: int, stream=None, interval: float = 0.25):
+    def __init__(self, total_epochs: int, batches_per_epoch: int | None, stream=None, interval: float = 0.25):
         self.total_epochs = total_epochs
         self.batches = batches_per_epoch
         self._stream = stream  # None: sys.stderr when drawing (keeps the listener picklable)
@@ -100,11 +101,16 @@ class ProgressBar(TrainingListener):
     def _draw(self, now: float, score: float) -> None:
         elapsed = now - self._start
         rate = self._done / elapsed if elapsed > 0 else 0.0
+        epoch_no = self._epoch - self._first_epoch + 1
+        if self.batches is None:
+            self.stream.write(f"\repoch {epoch_no}/{self.total_epochs} {self._done} batches "
+                              f"{rate:.1f} it/s score {score:.4f} ")
+            self.stream.flush()
+            return
         remaining = (self.batches - self._done) / rate if rate > 0 else 0.0
         width = 24
         filled = int(width * self._done / max(self.batches, 1))
         bar = "=" * filled + ">" * (filled < width) + " " * (width - filled - 1)
-        epoch_no = self._epoch - self._first_epoch + 1
         self.stream.write(
             f"\repoch {epoch_no}/{self.total_epochs} [{bar[:width]}] {self._done}/{self.batches} "
             f"{rate:.1f} it/s score {score:.4f} ETA {_clock(remaining)} "
@@ -122,7 +128,10 @@ def _clock(seconds: float) -> str:
 
 
 class MetricsLogger(TrainingListener):
-    """Appends JSON lines to ``path``: the score every ``every`` iterations and each epoch's summary."""
+    """Appends JSON lines to ``path``: the score every ``every`` iterations and one record per
+    epoch with History's keys (``loss``, ``val_loss``, ``val_accuracy``, ``seconds``,
+    ``samples_per_second``, ``learning_rate``). ``time`` counts training seconds since the
+    run began: appending to the file of a resumed run, it goes on from its last record."""
 
     def __init__(self, path, every: int = 100):
         self.path = Path(path)
@@ -132,14 +141,15 @@ class MetricsLogger(TrainingListener):
 
     def on_fit_start(self, model):
         if self._t0 is None:
-            self._t0 = time.time()
+            self._t0 = time.time() - _last_time(self.path)
 
     def iteration_done(self, model, iteration, epoch, loss, batch_size):
         if self.every and iteration % self.every == 0:
             self._write({"kind": "iteration", "iteration": iteration, "epoch": epoch, "score": float(loss)})
 
     def on_epoch_end(self, model, summary):
-        self._write({"kind": "epoch", "iteration": model.iteration_count, **summary.to_dict()})
+        self._write({"kind": "epoch", "iteration": model.iteration_count, **summary.record(),
+                     "completed": summary.completed})
 
     def write(self, record: dict) -> None:
         """Add a record of your own (e.g. an evaluation) to the same file."""
@@ -147,7 +157,7 @@ class MetricsLogger(TrainingListener):
 
     def _write(self, record: dict) -> None:
         if self._t0 is None:
-            self._t0 = time.time()
+            self._t0 = time.time() - _last_time(self.path)
         record = {"time": round(time.time() - self._t0, 3), **record}
         try:
             if self._file is None:
@@ -163,6 +173,25 @@ class MetricsLogger(TrainingListener):
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _last_time(path: Path) -> float:
+    """The ``time`` of the last whole record in ``path`` (0 for a new file)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 65536))  # records are short: the tail holds the last one
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return 0.0
+    for line in reversed(lines):
+        try:
+            value = json.loads(line).get("time")
+        except (ValueError, AttributeError):
+            continue  # a torn last line (a crash mid-write), or a partial first one
+        if isinstance(value, (int, float)):
+            return float(value)
+    return 0.0
 
 
 class CheckpointListener(TrainingListener):

@@ -16,9 +16,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from dl4py.errors import DL4PyError, TrainingError
+from dl4py.errors import DataError, DL4PyError, TrainingError
+from dl4py.train.history import History, current_learning_rate
 from dl4py.train.interrupt import DeferredInterrupt
 from dl4py.train.step import make_train_step
+from dl4py.train.validation import validation_record
 
 NAN_CHECK_EVERY = 100
 
@@ -35,6 +37,8 @@ class EpochSummary:
     mean_loss: float
     seconds: float
     completed: bool = True  # False when a stop was requested part-way through the epoch
+    learning_rate: float | None = None  # of the epoch's last update
+    validation: dict | None = None  # val_loss, val_<metric>: the held-out score after the epoch
 
     @property
     def samples_per_second(self) -> float:
@@ -43,8 +47,15 @@ class EpochSummary:
     def to_dict(self) -> dict:
         return {**asdict(self), "samples_per_second": self.samples_per_second}
 
+    def record(self) -> dict:
+        """The epoch as History and ``metrics.jsonl`` show it (Keras' key names)."""
+        return {"epoch": self.epoch, "loss": self.mean_loss, "seconds": self.seconds,
+                "samples_per_second": self.samples_per_second, "learning_rate": self.learning_rate,
+                "batches": self.batches, "examples": self.examples, **(self.validation or {})}
 
-def fit(model, iterator, epochs: int, listeners: list) -> list[EpochSummary]:
+
+def fit(model, iterator, epochs: int, listeners: list, validation=None, metrics=None) -> History:
+    """Train ``epochs`` epochs; after each, score ``validation`` (an iterator) when given."""
     if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 0:
         raise ValueError(f"fit: epochs must be a non-negative integer, got {epochs!r}")
     model.init()
@@ -53,7 +64,7 @@ def fit(model, iterator, epochs: int, listeners: list) -> list[EpochSummary]:
     if model._train_step is None:
         model._train_step = make_train_step(model)
     iterator = data_source(model, iterator)
-    summaries: list[EpochSummary] = []
+    history = History()
     interrupted = False
     with DeferredInterrupt() as interrupt:
         for listener in listeners:
@@ -64,11 +75,21 @@ def fit(model, iterator, epochs: int, listeners: list) -> list[EpochSummary]:
                 if summary is None:
                     interrupted = True
                     break
-                summaries.append(summary)
+                summary.learning_rate = current_learning_rate(model)
+                if summary.completed:
+                    if validation is not None:
+                        summary.validation = validation_record(model, validation, metrics)
+                        model.module.train()
+                    for listener in listeners:  # may add to the summary (EpochValidation)
+                        listener.on_epoch_end(model, summary)
+                history.append(summary)
                 if not summary.completed:
                     break  # a listener asked to stop (early stopping)
-                for listener in listeners:
-                    listener.on_epoch_end(model, summary)
+        except Exception:
+            # The next fit starts this epoch over: its position belongs to this failed pass
+            # (a resumed checkpoint or a Ctrl-C keep theirs, to continue where they stopped).
+            model.batch_in_epoch = 0
+            raise
         finally:
             for listener in listeners:
                 listener.on_fit_end(model, interrupted)
@@ -77,7 +98,8 @@ def fit(model, iterator, epochs: int, listeners: list) -> list[EpochSummary]:
             f"training stopped by {interrupt.cause or 'Ctrl-C'} after iteration {model.iteration_count} "
             f"(epoch {model.epoch_count}, batch {model.batch_in_epoch}); the model is consistent"
         )
-    return summaries
+    return history
+
 
 
 def _run_epoch(model, iterator, listeners, interrupt) -> EpochSummary | None:
@@ -89,6 +111,10 @@ def _run_epoch(model, iterator, listeners, interrupt) -> EpochSummary | None:
     step = model._train_step
     for listener in listeners:
         listener.on_epoch_start(model, epoch)
+    length = _length(iterator)
+    if skip and length is not None and skip > length:
+        raise DataError(f"the model stopped after batch {skip} of epoch {epoch}, but this data has only {length} "
+                        "batches per epoch: resume with the data (and batch size) it was trained on")
     device = model.backend.device
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     batches = examples = 0
@@ -117,12 +143,23 @@ def _run_epoch(model, iterator, listeners, interrupt) -> EpochSummary | None:
                 check_finite(model, loss_sum, epoch)
             if interrupt.requested:
                 return None
+    if batches == 0 and not skip:  # an exhausted generator, an empty source: no epoch to count as done
+        raise DataError(f"the data gave no batches in epoch {epoch}; a one-pass iterable (a generator) is "
+                        "spent after its first epoch: pass a DataSetIterator, a DataLoader or a callable "
+                        "returning a fresh iterable")
     check_finite(model, loss_sum, epoch)
     model.epoch_count += 1
     model.batch_in_epoch = 0
     seconds = time.perf_counter() - started
-    mean = float(loss_sum) / batches if batches else float("nan")
+    mean = float(loss_sum) / batches if batches else float("nan")  # stopped after its last batch
     return EpochSummary(epoch, batches, examples, mean, seconds)
+
+
+def _length(iterator) -> int | None:
+    try:
+        return len(iterator)
+    except TypeError:  # a source of unknown length (a stream)
+        return None
 
 
 def data_source(model, iterator):

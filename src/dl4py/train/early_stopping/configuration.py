@@ -60,6 +60,7 @@ class EarlyStoppingResult:
     best_model_score: float
     total_epochs: int
     model_saver: object = field(repr=False, default=None)
+    history: object = field(repr=False, default=None)  # the History of the epochs trained
 
     def best_model(self, into=None, backend=None):
         """The best model, rebuilt from the saver (``into``: a TorchModel to load it into) on

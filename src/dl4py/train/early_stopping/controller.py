@@ -1,9 +1,9 @@
 """The early-stopping logic both trainers share: conditions, scoring, keeping the best model.
 
-The single-device trainer calls it from a listener and after each epoch; in parallel
-training every worker checks the iteration conditions and worker 0 makes the epoch
-decisions, which the others follow. Being plain picklable state, it travels to workers
-and back.
+The single-device trainer calls it from a listener and after each epoch. In parallel
+training it lives where the run directory is written (the coordinating process, or rank 0
+under torchrun) and makes the epoch decisions, which every worker follows; the workers
+ask only the iteration conditions (``first_firing``), each about its own losses.
 """
 
 from __future__ import annotations
@@ -38,10 +38,7 @@ class EarlyStoppingController:
 
     def check_iteration(self, loss: float) -> str | None:
         """The first iteration condition that fires on this minibatch loss, described; else None."""
-        for condition in self.config.iteration_conditions:
-            if condition.terminate(loss):
-                return str(condition)
-        return None
+        return first_firing(self.config.iteration_conditions, loss)
 
     def end_of_epoch(self, model, epoch: int) -> str | None:
         """Score (every n epochs), keep the best model, and ask the epoch conditions."""
@@ -70,26 +67,18 @@ class EarlyStoppingController:
             return True
         return score < self.best_score if self.minimize else score > self.best_score
 
-    def state(self) -> dict:
-        """What the run decided, as plain data (a parallel worker sends it back)."""
-        saver = self.config.model_saver
-        return {
-            "score_vs_epoch": dict(self.score_vs_epoch), "best_epoch": self.best_epoch,
-            "best_score": self.best_score, "epochs_done": self.epochs_done, "last_score": self.last_score,
-            "saver": saver.state() if hasattr(saver, "state") else None,
-        }
-
-    def load_state(self, state: dict) -> None:
-        self.score_vs_epoch = dict(state["score_vs_epoch"])
-        self.best_epoch, self.best_score = state["best_epoch"], state["best_score"]
-        self.epochs_done, self.last_score = state["epochs_done"], state["last_score"]
-        if state["saver"] is not None:
-            self.config.model_saver.load_state(state["saver"])
-
-    def result(self, reason: str, details: str) -> EarlyStoppingResult:
+    def result(self, reason: str, details: str, history=None) -> EarlyStoppingResult:
         return EarlyStoppingResult(
             termination_reason=reason, termination_details=details,
             score_vs_epoch=dict(self.score_vs_epoch), best_model_epoch=self.best_epoch,
             best_model_score=self.best_score, total_epochs=self.epochs_done,
-            model_saver=self.config.model_saver,
+            model_saver=self.config.model_saver, history=history,
         )
+
+
+def first_firing(conditions, loss: float) -> str | None:
+    """The first of the iteration ``conditions`` that fires on this minibatch loss, described."""
+    for condition in conditions:
+        if condition.terminate(loss):
+            return str(condition)
+    return None

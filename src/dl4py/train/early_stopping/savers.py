@@ -22,12 +22,6 @@ class InMemoryModelSaver:
 
         self.latest = model_bytes(model)
 
-    def state(self) -> dict:
-        return {"best": self.best, "latest": self.latest}
-
-    def load_state(self, state: dict) -> None:
-        self.best, self.latest = state["best"], state["latest"]
-
     def get_best_model(self, into=None, backend=None):
         return None if self.best is None else _load(self.best, into, backend)
 

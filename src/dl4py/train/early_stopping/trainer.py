@@ -13,6 +13,7 @@ from dl4py.train.early_stopping.configuration import (
     EarlyStoppingResult,
 )
 from dl4py.train.early_stopping.controller import EarlyStoppingController
+from dl4py.train.history import History
 from dl4py.train.listeners import TrainingListener
 from dl4py.train.loop import TrainingInterrupted
 
@@ -54,16 +55,17 @@ class EarlyStoppingTrainer:
         watcher = _IterationConditions(controller)
         # Without iteration conditions nothing need read the loss each step (a wait on a GPU).
         watching = [watcher] if self.config.iteration_conditions else []
+        history = History()
         try:
             while True:
-                self.model.fit(self.train, epochs=1, listeners=[*watching, *self.listeners])
+                history.extend(self.model.fit(self.train, epochs=1, listeners=[*watching, *self.listeners]))
                 if watcher.reason is not None:
-                    return controller.result(ITERATION_CONDITION, watcher.reason)
+                    return controller.result(ITERATION_CONDITION, watcher.reason, history)
                 reason = controller.end_of_epoch(self.model, self.model.epoch_count - 1)
                 if reason is not None:
-                    return controller.result(EPOCH_CONDITION, reason)
+                    return controller.result(EPOCH_CONDITION, reason, history)
         except (TrainingInterrupted, KeyboardInterrupt):
             raise
         except Exception as exc:  # DL4J's contract: an error ends training with a result saying so
             log.error("early stopping: training failed:\n%s", traceback.format_exc())
-            return controller.result(ERROR, f"{type(exc).__name__}: {exc}")
+            return controller.result(ERROR, f"{type(exc).__name__}: {exc}", history)

@@ -1,0 +1,207 @@
+"""Iterators over batches someone else makes: a torch DataLoader, or any iterable of
+``(features, labels)`` batches (a list, a generator, a function returning a fresh one).
+
+Their length may be unknown until one pass has been made (an iterable Dataset, a
+generator): ``batches_per_epoch()`` then says None and ``len()`` raises
+`UnknownLengthError`, a DataError that is also the TypeError ``len()`` callers expect.
+Training needs no length; `ProgressBar` draws without one.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from dl4py.data.columns import dict_arrays
+from dl4py.data.dataset import DataSet
+from dl4py.data.iterators import DataSetIterator
+from dl4py.errors import DataError
+
+__all__ = ["BatchStreamIterator", "LoaderIterator", "BatchesIterator", "UnknownLengthError", "to_dataset"]
+
+
+class UnknownLengthError(DataError, TypeError):
+    """An iterator cannot tell how many batches an epoch has before it has made one pass."""
+
+
+class BatchStreamIterator(DataSetIterator):
+    """What a stream of batches knows: counts learned from its last full pass, the input
+    shape from its first batch. Subclasses implement ``_epoch_batches(epoch)``."""
+
+    batch_size = None
+    label = features = None  # column names for dict batches
+    _known_batches = _known_examples = None
+    _input_shape = None
+
+    def batches_per_epoch(self) -> int | None:
+        """Batches in one epoch, or None while unknown (before a full pass of a stream)."""
+        return self._known_batches
+
+    def __len__(self) -> int:
+        n = self.batches_per_epoch()
+        if n is None:
+            raise UnknownLengthError(
+                f"{self!r} does not know how many batches an epoch has before one full pass; "
+                "fit() and ProgressBar(batches_per_epoch=None) work without it"
+            )
+        return n
+
+    def total_examples(self) -> int:
+        if self._known_examples is None:
+            raise UnknownLengthError(f"{self!r} does not know how many examples it holds before one full pass")
+        return self._known_examples
+
+    def num_classes(self) -> int | None:
+        return None  # not known without reading every label; the model checks each first batch
+
+    def input_shape(self) -> tuple[int, ...]:
+        if self._input_shape is None:
+            self._input_shape = tuple(self._peek().features.shape[1:])
+        return self._input_shape
+
+    def _peek(self) -> DataSet:
+        raise DataError(f"{self!r}: the input shape is unknown before the first batch")
+
+    def __iter__(self) -> Iterator[DataSet]:
+        # The epoch is taken now, not at the first next(), as ArrayDataSetIterator does.
+        return self._counted(self._epoch_batches(self._take_epoch()))
+
+    def _counted(self, batches) -> Iterator[DataSet]:
+        count = examples = 0
+        for raw in batches:
+            batch = to_dataset(raw, repr(self), self.label, self.features)
+            if self._input_shape is None:
+                self._input_shape = tuple(batch.features.shape[1:])
+            count += 1
+            examples += batch.features.shape[0]
+            yield batch
+        self._known_batches, self._known_examples = count, examples  # reached only after a full pass
+
+    def _epoch_batches(self, epoch: int):
+        raise NotImplementedError
+
+
+class LoaderIterator(BatchStreamIterator):
+    """A torch ``DataLoader``'s batches as DataSets, in the loader's own order.
+
+    Each epoch calls ``set_epoch(epoch)`` on the loader's sampler and dataset where they
+    have one (``DistributedSampler``, a dl4py table dataset), and reseeds ``generator``
+    (the one dl4py gave a Dataset it batches itself) with ``seed + epoch``, the order an
+    ArrayDataSetIterator with the same seed visits."""
+
+    def __init__(self, loader, generator: torch.Generator | None = None, seed: int = 0,
+                 label=None, features=None):
+        self.loader, self.generator, self.seed = loader, generator, seed
+        self.label, self.features = label, features
+        self.batch_size = loader.batch_size
+        try:
+            self._known_batches = len(loader)
+        except TypeError:  # an iterable Dataset without __len__: learned after one pass
+            pass
+        try:
+            n = len(loader.dataset)
+            if loader.batch_size is not None and getattr(loader, "drop_last", False):
+                n -= n % loader.batch_size
+            self._known_examples = n
+        except TypeError:
+            pass
+
+    def _epoch_batches(self, epoch: int):
+        if self.generator is not None:
+            self.generator.manual_seed(self.seed + epoch)
+        for part in (self.loader.sampler, self.loader.batch_sampler, self.loader.dataset):
+            set_epoch = getattr(part, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(epoch)
+        return iter(self.loader)
+
+    def _peek(self) -> DataSet:
+        return to_dataset(next(iter(self.loader)), repr(self), self.label, self.features)
+
+    def __repr__(self) -> str:
+        return f"LoaderIterator({type(self.loader.dataset).__name__}, batch_size={self.batch_size})"
+
+
+class BatchesIterator(BatchStreamIterator):
+    """Any iterable of ``(features, labels)`` batches, or a zero-argument function that
+    returns a fresh one each epoch. A generator is one pass: a second epoch is an error
+    that says to pass the function instead."""
+
+    def __init__(self, source, label=None, features=None, name: str | None = None):
+        self.source, self.label, self.features = source, label, features
+        self.name = name or type(source).__name__
+        self._one_pass = not callable(source) and iter(source) is source
+        self._passes = 0
+        if not callable(source) and hasattr(source, "__len__"):
+            self._known_batches = len(source)
+
+    def _epoch_batches(self, epoch: int):
+        if self._one_pass and self._passes:
+            raise DataError(
+                f"the {self.name} given as data can be read once, and epoch {epoch} found it used up; "
+                "pass a function that returns a fresh one instead, e.g. fit(lambda: make_batches())"
+            )
+        self._passes += 1
+        if not callable(self.source):
+            return iter(self.source)
+        fresh = self.source()
+        try:
+            return iter(fresh)
+        except TypeError:
+            raise DataError(
+                f"the function given as data returned {type(fresh).__name__}, not an iterable of "
+                "(features, labels) batches"
+            ) from None
+
+    def _peek(self) -> DataSet:
+        if self._one_pass:
+            return super()._peek()  # peeking would use up the only pass
+        fresh = self.source() if callable(self.source) else self.source
+        return to_dataset(next(iter(fresh)), repr(self), self.label, self.features)
+
+    def __repr__(self) -> str:
+        return f"BatchesIterator({self.name})"
+
+
+def to_dataset(batch, where: str, label=None, features=None) -> DataSet:
+    """One batch -> DataSet: float32 features, int64 class indices or float targets [n, k].
+    Only dtypes are looked at, so this costs nothing per step."""
+    if isinstance(batch, DataSet):
+        return batch
+    if isinstance(batch, dict):
+        x, y = dict_arrays(batch, label, features, f"{where}, a dict batch")
+        return DataSet(torch.from_numpy(np.ascontiguousarray(x)), y)
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        kind = f"a {len(batch)}-element {type(batch).__name__}" if isinstance(batch, (tuple, list)) else type(batch).__name__
+        raise DataError(
+            f"{where}: each batch must be a (features, labels) pair, a dict of columns or a DataSet; got {kind}"
+        )
+    x, y = _tensor(batch[0], where, "features"), _tensor(batch[1], where, "labels")
+    if x.dtype != torch.float32:
+        x = x.to(torch.float32)
+    if not (y.is_floating_point() or y.is_complex()):
+        if y.dtype != torch.int64:
+            y = y.to(torch.int64)
+        if y.dim() != 1:
+            raise DataError(f"{where}: class-index labels must be 1-D, got shape {tuple(y.shape)}")
+    elif y.dim() == 2:
+        if y.dtype != torch.float32:
+            y = y.to(torch.float32)
+    else:
+        raise DataError(
+            f"{where}: labels must be 1-D integer class indices or 2-D float targets, got shape "
+            f"{tuple(y.shape)} dtype {y.dtype}; for a regression target use y.reshape(-1, 1)"
+        )
+    return DataSet(x, y)
+
+
+def _tensor(value, where: str, name: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
+        return torch.from_numpy(np.ascontiguousarray(value))
+    if isinstance(value, (list, tuple)):
+        return torch.as_tensor(value)
+    raise DataError(f"{where}: batch {name} must be a tensor or numeric numpy array, got {type(value).__name__}")
