@@ -234,3 +234,18 @@ def test_a_missing_optional_dependency_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "pandas", None)
     with pytest.raises(DataError, match=r"needs the 'pandas' package: pip install \"dl4py\[data\]\""):
         TableDirectoryIterator(tmp_path, label="y")
+
+
+def test_a_bad_label_in_a_later_batch_of_a_dataloader_is_named_before_the_loss_sees_it():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from dl4py.errors import DataError
+
+    x = torch.rand(96, 784)
+    y = torch.arange(96) % 10
+    y[70] = 12  # batch 4 of 6 (16 a batch)
+    net = MultiLayerNetwork(NetworkConfig(seed=1, input_type=InputType.feed_forward(784),
+                                          layers=[DenseLayer(n_out=8), OutputLayer(n_out=10)]), backend="cpu")
+    loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=False)
+    with pytest.raises(DataError, match=r"epoch 0, batch 4: label 12 is outside the output layer's 10 classes"):
+        net.fit(loader, epochs=1)

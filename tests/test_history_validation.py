@@ -216,3 +216,18 @@ def test_a_parallel_run_scores_each_averaged_epoch_on_validation(tmp_path, mnist
     assert history["epoch"] == [0, 1] and all(0 < v <= 1 for v in history["val_accuracy"])
     assert history["learning_rate"] == [0.1, 0.1]
     assert result["val_accuracy"] == pytest.approx(history["val_accuracy"][-1], abs=1e-12)
+
+
+def test_a_sweep_ranks_on_the_validation_score_when_the_config_holds_some_out(tmp_path):
+    import yaml
+
+    from dl4py.sweep.runner import make_plan
+
+    config = _run_config(tmp_path)
+    assert make_plan(config, {"training.batch_size": [32, 64]}, None, None, 0, []).metric == "val_accuracy"
+    plain = yaml.safe_load(open(config))
+    del plain["data"]["validation"]
+    path = tmp_path / "plain.yaml"
+    path.write_text(yaml.safe_dump(plain))
+    assert make_plan(str(path), {"training.batch_size": [32, 64]}, None, None, 0, []).metric == "test_accuracy"
+    assert make_plan(config, {"training.batch_size": [32]}, None, None, 0, [], "test_f1").metric == "test_f1"

@@ -47,7 +47,7 @@ from dl4py.parallel.averaging import (
 from dl4py.parallel.events import EventRelay
 from dl4py.parallel.messages import Done, Failed
 from dl4py.parallel.plan import OpenRoundPlan, RoundPlan
-from dl4py.parallel.sources import Prefetcher, QueueSource
+from dl4py.parallel.sources import Prefetcher, QueueSource, ShardedSource
 from dl4py.process_guard import die_with_parent
 from dl4py.train.early_stopping.controller import first_firing
 from dl4py.train.history import current_learning_rate
@@ -238,6 +238,9 @@ def _train_epoch(replica, step, rank, world, spec, source, device, report, liste
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     last_loss, trained_since_average = None, False
     rounds_done, averaged = 0, True
+    # Labels an in-memory source checked when it was made need no second look; others (a
+    # stream, a user's iterator) are checked each batch on the host, which costs no sync.
+    every_batch = not isinstance(source, ShardedSource)
     prefetcher = Prefetcher(source.batches(epoch, rank, world, start), device, spec.prefetch,
                             pin=environment().pinned_memory, timeout=spec.timeout)
     batches_in = iter(prefetcher)
@@ -259,7 +262,8 @@ def _train_epoch(replica, step, rank, world, spec, source, device, report, liste
                     features = replica._convert_input(features)  # dtype and memory format
                     if batches == 0:
                         replica.check_features(features, f"worker {rank}, epoch {epoch}")
-                        replica.check_labels(labels, f"worker {rank}, epoch {epoch}")
+                    if batches == 0 or (every_batch and labels.device.type == "cpu"):
+                        replica.check_labels(labels, f"worker {rank}, epoch {epoch}, round {round_index}")
                     last_loss = step(features, labels)
                     loss_sum += last_loss
                     batches += 1

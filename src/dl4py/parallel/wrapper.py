@@ -150,6 +150,7 @@ class ParallelWrapper:
         self.model.init()
         # Anything Model.fit accepts (a DataLoader, a DataFrame, arrays, ...), as an iterator.
         iterator = as_iterator(iterator, None, seed=getattr(self.model, "seed", 0), training=True)
+        self.model.check_data(iterator)  # every label of in-memory data, before any worker starts
         self._controller = controller
         if controller is not None:
             controller.start(self.model.epoch_count)

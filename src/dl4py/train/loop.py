@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from dl4py.data.iterators import WrappedIterator
 from dl4py.errors import DataError, DL4PyError, TrainingError
 from dl4py.train.history import History, current_learning_rate
 from dl4py.train.interrupt import DeferredInterrupt
@@ -167,6 +168,7 @@ def data_source(model, iterator):
     ``device_data``), batches copied to a GPU ahead of use, or the iterator as it is (CPU)."""
     from dl4py.backend.cuda_environment import environment
     from dl4py.data.device import DeviceDataSetIterator, use_device_data
+    from dl4py.data.iterators import ArrayDataSetIterator
     from dl4py.data.prefetch import PrefetchIterator
 
     env, device = environment(), model.backend.device
@@ -179,9 +181,29 @@ def data_source(model, iterator):
     if use_device_data(env.device_data, iterator, device, _step_bytes(model, iterator)):
         model._device_data = DeviceDataSetIterator(iterator, device)
         return model._device_data
+    if not isinstance(iterator, ArrayDataSetIterator):  # its labels were all checked when it was made
+        iterator = CheckedLabels(iterator, model)
     if device.type == "cuda":
         return PrefetchIterator(iterator, device, pin=env.pinned_memory)
     return iterator
+
+
+class CheckedLabels(WrappedIterator):
+    """Checks every batch's labels against the output layer on the host, before they reach
+    the device: sources that cannot tell their largest label up front (a DataLoader, a
+    stream) would otherwise meet torch's raw IndexError, or a device-side assert on a GPU,
+    at the first bad one. Cheap: a min and max over one batch of labels in host memory."""
+
+    def __init__(self, iterator, model):
+        super().__init__(iterator)
+        self.model = model
+
+    def __iter__(self):
+        epoch = self.model.epoch_count
+        for index, batch in enumerate(self.iterator):
+            if batch.labels.device.type == "cpu":
+                self.model.check_labels(batch.labels, f"epoch {epoch}, batch {index}")
+            yield batch
 
 
 def _step_bytes(model, iterator) -> int | None:
