@@ -249,3 +249,20 @@ def test_a_bad_label_in_a_later_batch_of_a_dataloader_is_named_before_the_loss_s
     loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=False)
     with pytest.raises(DataError, match=r"epoch 0, batch 4: label 12 is outside the output layer's 10 classes"):
         net.fit(loader, epochs=1)
+
+
+def test_a_bad_label_in_a_later_batch_reaches_no_parallel_worker_s_loss():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from dl4py.errors import WorkerError
+    from dl4py.parallel import ParallelWrapper
+
+    x = torch.rand(128, 784)
+    y = torch.arange(128) % 10
+    y[100] = 12  # batch 6 of 8: dealt to a worker in round 3
+    net = MultiLayerNetwork(NetworkConfig(seed=1, input_type=InputType.feed_forward(784),
+                                          layers=[DenseLayer(n_out=8), OutputLayer(n_out=10)]), backend="cpu")
+    loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=False)
+    with pytest.raises(WorkerError, match=r"round 3: label 12 is outside the output layer's 10 classes") as caught:
+        ParallelWrapper(net, workers=2, prefetch_buffer=2).fit(loader, epochs=1)
+    assert "Traceback" not in str(caught.value)  # the worker's sentence, not its stack

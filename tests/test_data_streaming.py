@@ -162,7 +162,7 @@ def test_peak_memory_does_not_grow_with_the_data(tmp_path):
 def test_two_parallel_workers_each_read_their_own_shard_every_row_once(tmp_path, fmt):
     from dl4py.parallel import ParallelWrapper
     from dl4py.parallel.sources import StreamShardSource
-    from dl4py.parallel.wrapper import _own_source
+    from dl4py.parallel.preflight import own_source as _own_source
 
     table = TableDirectoryIterator(write_tables(tmp_path / "t", fmt, row_group=100), label="y", batch_size=32,
                                    chunk_rows=64, shuffle_buffer=32, seed=2)

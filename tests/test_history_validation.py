@@ -149,6 +149,7 @@ def test_a_resume_position_beyond_the_data_is_an_error():
     model.batch_in_epoch = 10  # as a checkpoint taken after batch 10 leaves it
     with pytest.raises(DataError, match="stopped after batch 10 of epoch 0, but this data has only 6"):
         model.fit(_arrays(), epochs=1)
+    assert model.batch_in_epoch == 10  # nothing trained: the position to resume from is kept
     model.batch_in_epoch = 6  # stopped after the epoch's last batch: the epoch completes
     assert model.fit(_arrays(), epochs=1)[0].batches == 0 and model.epoch_count == 1
 
@@ -231,3 +232,34 @@ def test_a_sweep_ranks_on_the_validation_score_when_the_config_holds_some_out(tm
     path.write_text(yaml.safe_dump(plain))
     assert make_plan(str(path), {"training.batch_size": [32, 64]}, None, None, 0, []).metric == "test_accuracy"
     assert make_plan(config, {"training.batch_size": [32]}, None, None, 0, [], "test_f1").metric == "test_f1"
+    regression = yaml.safe_load(open(config))
+    regression["network"]["layers"][-1] = {"type": "output", "n_out": 1, "activation": "identity", "loss": "mse"}
+    path.write_text(yaml.safe_dump(regression))
+    assert make_plan(str(path), {"training.batch_size": [32]}, None, None, 0, []).metric == "val_r_squared"
+
+
+class _NoLength(ArrayDataSetIterator):
+    def __len__(self):
+        raise NotImplementedError  # DataSetIterator's own, for a user's iterator that has none
+
+
+def test_an_iterator_without_a_length_trains_and_resumes():
+    model = MultiLayerNetwork(mlp(), backend="cpu").init()
+    data = _NoLength(torch.rand(64, 784), torch.arange(64) % 10, 16)
+    assert model.fit(data, epochs=1)[0].batches == 4
+    model.batch_in_epoch = 2
+    assert model.fit(data, epochs=1)[0].batches == 2
+
+
+def test_validation_data_is_checked_before_any_training_and_takes_the_same_columns():
+    import pandas as pd
+
+    model = MultiLayerNetwork(mlp(), backend="cpu").init()
+    x, y = torch.rand(64, 784), torch.arange(64) % 10
+    with pytest.raises(DataError, match="label 10 is outside the output layer's 10 classes"):
+        model.fit((x, y), validation=(x, y + 1))
+    assert model.iteration_count == 0
+    frame = pd.DataFrame(x.numpy())
+    frame["digit"] = y.numpy()
+    history = model.fit(frame, label="digit", validation=frame.iloc[:32], epochs=1)
+    assert len(history.history["val_accuracy"]) == 1

@@ -65,3 +65,8 @@ class DataSizeError(DataError, ValueError):
 
     def __reduce__(self):
         return type(self), (self.limit, self.available, self.source)
+
+
+class LabelError(DataError, ValueError):
+    """A label or prediction cannot be scored (a class index out of range, a NaN). Also a
+    ValueError, as it was before it had its own class."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dl4py.errors import ConfigError
+from dl4py.errors import ConfigError, StorageError
 
 LOCK_FILE = ".lock"
 
@@ -38,6 +38,24 @@ def path_inside(root: str | Path, name: str, where: str) -> Path:
             return path
     raise ConfigError(where, f"names {text!r}, which is not a plain folder name inside {root}; "
                              "the file was edited or is corrupt, and nothing was touched")
+
+
+def claim_new_folder(folder: Path, what: str, hint: str) -> tuple["FolderLock", bool]:
+    """Create ``folder`` (or take it empty), locked for this process: the lock, and whether
+    it was created. A file in its place, or files in it, is a ConfigError on ``--output``
+    ending with ``hint`` (what to do instead)."""
+    created = not folder.exists()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ConfigError("--output", f"{folder} exists and is not a directory") from None
+    except OSError as exc:
+        raise StorageError(f"create the {what}", folder, exc) from None
+    lock = FolderLock(folder, what).acquire()  # before looking inside: two claims at once, one wins
+    if any(entry.name != LOCK_FILE for entry in folder.iterdir()):
+        lock.release()
+        raise ConfigError("--output", f"{folder} already holds files; {hint}")
+    return lock, created
 
 
 class FolderLock:

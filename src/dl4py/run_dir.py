@@ -14,7 +14,7 @@ from datetime import datetime
 from pathlib import Path
 
 from dl4py.errors import ConfigError, DL4PyError, StorageError
-from dl4py.folders import LOCK_FILE, FolderLock
+from dl4py.folders import FolderLock, claim_new_folder
 from dl4py.io import atomic_write_json
 
 log = logging.getLogger("dl4py")
@@ -58,19 +58,8 @@ def prepare_run_dir(output, resume: bool, config_name: str) -> tuple[Path, Folde
             lock.release()
             raise ConfigError("--resume", f"{run_dir} holds no {CHECKPOINT} to resume from")
         return run_dir, lock, False
-    created = not run_dir.exists()
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise ConfigError("--output", f"{run_dir} exists and is not a directory") from None
-    except OSError as exc:
-        raise StorageError("create the run directory", run_dir, exc) from None
-    lock = FolderLock(run_dir).acquire()
-    if any(entry.name != LOCK_FILE for entry in run_dir.iterdir()):
-        lock.release()
-        raise ConfigError(
-            "--output", f"{run_dir} already holds files; choose another directory or pass --resume to continue it"
-        )
+    lock, created = claim_new_folder(run_dir, "run directory",
+                                     "choose another directory or pass --resume to continue it")
     return run_dir, lock, created
 
 

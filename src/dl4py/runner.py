@@ -168,7 +168,7 @@ def _train_locked(config: RunConfig, run_dir: Path, resume: bool, progress, reco
         atomic_write_text(run_dir / "evaluation.txt", evaluation.stats())
         metrics.write({"kind": "evaluation", "epoch": model.epoch_count, **_eval_fields(evaluation)})
     if validation is not None:  # the run's model on the held-out data (what a sweep ranks by)
-        result.update(validation_record(model, validation))
+        result.update({k: _json_number(v) for k, v in validation_record(model, validation).items()})
     result.update(result_fields(config, model, summaries, evaluation, record.started), **trained,
                   history=History(summaries).to_dict(), status="completed")
     atomic_write_json(run_dir / "result.json", result)
@@ -313,9 +313,9 @@ def _eval_fields(evaluation) -> dict:
     }
 
 
-def _json_number(value: float) -> float | None:
+def _json_number(value: float | None) -> float | None:
     """NaN and inf (R² of a constant target, a diverged model) as null: result.json stays strict JSON."""
-    return value if math.isfinite(value) else None
+    return value if value is not None and math.isfinite(value) else None
 
 
 def result_fields(config: RunConfig, model, summaries, evaluation, started: float) -> dict:

@@ -59,8 +59,11 @@ def frame_arrays(frame, label, features, where: str, need_label: bool = True):
             f"{where}: name the label column, e.g. fit(df, label=\"y\") (columns: {', '.join(columns[:20])})"
         )
     feature_names, label_names = split_columns(columns, label, features, where)
-    x = _numeric(frame[feature_names], where, "feature")
-    y = None if label_names is None else labels_from_columns(frame[label_names].to_numpy(), label_names, where)
+    # Names are matched as text (a DataFrame made from an array has integer column names).
+    original = {str(c): c for c in frame.columns}
+    x = _numeric(frame[[original[n] for n in feature_names]], where, "feature")
+    y = None if label_names is None else labels_from_columns(
+        frame[[original[n] for n in label_names]].to_numpy(), label_names, where)
     return x, y
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dl4py.errors import ConfigError
+from dl4py.errors import ConfigError, LabelError
 
 __all__ = ["Evaluation"]
 
@@ -370,8 +370,8 @@ def _check_range(idx: torch.Tensor, original: torch.Tensor, name: str, k: int) -
         return
     row = int(bad[0])
     if original.dim() == 2:
-        raise ValueError(f"{name}: row {row} contains NaN")
-    raise ValueError(f"{name}: class index {int(idx[row])} at row {row} is out of range [0, {k})")
+        raise LabelError(f"{name}: row {row} contains NaN")
+    raise LabelError(f"{name}: class index {int(idx[row])} at row {row} is out of range [0, {k})")
 
 
 def _center(title: str) -> str:

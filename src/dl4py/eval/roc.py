@@ -7,6 +7,7 @@ import math
 import torch
 
 from dl4py.errors import ConfigError
+from dl4py.eval.evaluation import _as_tensor
 
 __all__ = ["ROC", "ROCMultiClass"]
 
@@ -301,17 +302,6 @@ def _label_indices(y: torch.Tensor, n: int, k: int) -> torch.Tensor:
         row = int(bad.nonzero()[0])
         raise ValueError(f"labels: class index {int(y[row])} at row {row} is out of range [0, {k})")
     return y
-
-
-def _as_tensor(x, name: str) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        try:
-            x = torch.as_tensor(x)
-        except (TypeError, ValueError, RuntimeError) as e:
-            raise ValueError(f"{name}: expected a torch tensor or numpy array, got {type(x).__name__} ({e})") from e
-    if x.dim() not in (1, 2):
-        raise ValueError(f"{name}: expected shape [n] or [n, k], got {list(x.shape)}")
-    return x
 
 
 def _ratio(counts: torch.Tensor, total: int) -> torch.Tensor:

@@ -194,8 +194,10 @@ class Model:
         if validation_split is not None:
             iterator, validation = split_validation(iterator, validation_split)
         elif validation is not None:
-            validation = as_iterator(validation, None)
+            validation = as_iterator(validation, None, label=label, features=features)
         self.check_data(iterator)  # every label, before the first step rather than at a torch error
+        if validation is not None:
+            self.check_data(validation)  # not found wrong only after an epoch of training
         return fit(self, iterator, epochs, list(listeners), validation=validation,
                    metrics=None if metrics is None else list(metrics))
 

@@ -49,4 +49,5 @@ class Done:
 class Failed:
     rank: int
     device: str
-    traceback: str
+    traceback: str  # the error's message alone when user_error
+    user_error: bool = False  # a DL4PyError: a problem with the data or settings, not a bug

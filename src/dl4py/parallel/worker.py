@@ -23,6 +23,7 @@ from __future__ import annotations
 import io
 import itertools
 import logging
+import os
 import signal
 import sys
 import time
@@ -35,7 +36,7 @@ import torch.distributed as dist
 
 from dl4py.backend import Backend
 from dl4py.backend.cuda_environment import Environment, environment
-from dl4py.errors import DataError
+from dl4py.errors import DataError, DL4PyError
 from dl4py.parallel.averaging import (
     average,
     broadcast,
@@ -112,8 +113,11 @@ def spawned_worker_main(rank, world, spec, init_method, backend, messages, inbox
         if rank == 0:
             replica.save(result_path)
         messages.put(Done(rank, report))
-    except BaseException:
-        messages.put(Failed(rank, str(device), traceback.format_exc()))
+    except BaseException as exc:
+        # A problem with the user's data or settings is its sentence; anything else, a bug
+        # or a lost peer, keeps its traceback (DL4PY_DEBUG=1: every traceback).
+        user_error = isinstance(exc, DL4PyError) and os.environ.get("DL4PY_DEBUG", "") in ("", "0")
+        messages.put(Failed(rank, str(device), str(exc) if user_error else traceback.format_exc(), user_error))
         messages.close()
         messages.join_thread()
         sys.exit(1)
@@ -129,7 +133,7 @@ def build_replica(spec: WorkerSpec, device: torch.device):
     if spec.torch_model is None:
         return load(spec.model_path, backend=backend, precision=spec.precision)
     model = spec.torch_model
-    if isinstance(model, bytes):  # a spawned worker's private copy (wrapper._private_copy)
+    if isinstance(model, bytes):  # a spawned worker's private copy (preflight.private_copy)
         model = torch.load(io.BytesIO(model), map_location="cpu", weights_only=False)
     model._requested_backend, model._requested_precision = backend, spec.precision
     restore_state(model, spec.model_path)
@@ -226,6 +230,10 @@ def _train_epoch(replica, step, rank, world, spec, source, device, report, liste
     epoch = replica.epoch_count
     start = replica.batch_in_epoch  # > 0: resumed after an interrupt part-way through this epoch
     plan = RoundPlan(spec.num_batches, world, start) if spec.num_batches is not None else OpenRoundPlan(world, start)
+    if plan.rounds is None and start % world:
+        raise DataError(f"the model stopped after batch {start} of epoch {epoch}, which is not a whole round of "
+                        f"{world} workers over a streamed source: resume it with the number of workers it "
+                        "stopped with, or from the start of an epoch")
     if spec.num_batches and spec.num_batches < world:
         raise DataError(
             f"the data has {plan.batches} batches per epoch but there are {world} workers; "
@@ -238,10 +246,13 @@ def _train_epoch(replica, step, rank, world, spec, source, device, report, liste
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     last_loss, trained_since_average = None, False
     rounds_done, averaged = 0, True
-    # Labels an in-memory source checked when it was made need no second look; others (a
-    # stream, a user's iterator) are checked each batch on the host, which costs no sync.
-    every_batch = not isinstance(source, ShardedSource)
-    prefetcher = Prefetcher(source.batches(epoch, rank, world, start), device, spec.prefetch,
+    batches_out = source.batches(epoch, rank, world, start)
+    if not isinstance(source, ShardedSource):
+        # Labels an in-memory source checked when it was made need no second look; others (a
+        # stream, a user's iterator) are checked batch by batch on the host, before the copy
+        # to the device: no sync, and no device-side assert from the loss on a GPU.
+        batches_out = _labels_checked(batches_out, replica, f"worker {rank}, epoch {epoch}")
+    prefetcher = Prefetcher(batches_out, device, spec.prefetch,
                             pin=environment().pinned_memory, timeout=spec.timeout)
     batches_in = iter(prefetcher)
     try:
@@ -262,8 +273,7 @@ def _train_epoch(replica, step, rank, world, spec, source, device, report, liste
                     features = replica._convert_input(features)  # dtype and memory format
                     if batches == 0:
                         replica.check_features(features, f"worker {rank}, epoch {epoch}")
-                    if batches == 0 or (every_batch and labels.device.type == "cpu"):
-                        replica.check_labels(labels, f"worker {rank}, epoch {epoch}, round {round_index}")
+                        replica.check_labels(labels, f"worker {rank}, epoch {epoch}")
                     last_loss = step(features, labels)
                     loss_sum += last_loss
                     batches += 1
@@ -303,6 +313,8 @@ def _train_epoch(replica, step, rank, world, spec, source, device, report, liste
     totals = torch.tensor([examples, batches, float(loss_sum)], dtype=torch.float64, device=device)
     dist.all_reduce(totals)
     all_examples, all_batches, all_loss = int(totals[0]), int(totals[1]), float(totals[2])
+    if all_batches == 0 and start == 0 and report["stop"] is None:  # as the single-device loop says
+        raise DataError(f"the data gave no batches in epoch {epoch} (worker {rank} of {world})")
     if spec.mode == "shared_gradients":
         replica._last_score = torch.tensor(all_loss / max(all_batches, 1))
     if plan.rounds is None:
@@ -318,9 +330,17 @@ def _train_epoch(replica, step, rank, world, spec, source, device, report, liste
     else:
         replica.batch_in_epoch = start + all_batches  # where a resumed run continues
     replica.iteration_count += all_batches
-    return EpochSummary(epoch, all_batches, all_examples, all_loss / max(all_batches, 1),
+    return EpochSummary(epoch, all_batches, all_examples, all_loss / all_batches if all_batches else float("nan"),
                         time.perf_counter() - started, completed=completed,
                         learning_rate=current_learning_rate(replica))
+
+
+def _labels_checked(batches, replica, where: str):
+    """``(round, DataSet)`` pairs as they come, each batch's labels checked on the host."""
+    for round_index, batch in batches:
+        if batch.labels.device.type == "cpu":
+            replica.check_labels(batch.labels, f"{where}, round {round_index}")
+        yield round_index, batch
 
 
 def _any_left(mine: bool, device) -> bool:

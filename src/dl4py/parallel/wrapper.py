@@ -22,13 +22,9 @@ Spawned workers die with this process, even when it is killed outright.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import logging
 import os
-import pickle
-import signal
 import tempfile
 import threading
 import time
@@ -45,10 +41,24 @@ from dl4py.nn.model import Model, as_iterator
 from dl4py.nn.serialization import restore_state
 from dl4py.parallel.events import EventReplay
 from dl4py.parallel.messages import Done, Failed
+from dl4py.parallel.preflight import (
+    check_picklable,
+    check_world,
+    device_name,
+    own_source,
+    positive_int,
+    private_copy,
+)
+from dl4py.parallel.processes import (
+    GRACE_SECONDS,
+    children_ignore_stop_signals,
+    exit_description,
+    is_lost_peer,
+    received,
+    stop_all,
+)
 from dl4py.parallel.sources import (
-    ShardedSource,
     StrideSource,
-    StreamShardSource,
     batches_per_epoch,
     is_shardable,
     deal_batches,
@@ -63,16 +73,9 @@ log = logging.getLogger("dl4py")
 
 MODES = ("averaging", "shared_gradients")
 POLL_SECONDS = 0.1
-GRACE_SECONDS = 3.0
-# More CPU workers than this many per core only thrash: each needs its own process, model
-# replica and memory, and they take turns on the cores.
-CPU_WORKERS_PER_CORE = 4
 SETTLE_SECONDS = 2.0
 # Messages read per pass of the watch loop: it must also look at the workers in between.
 MESSAGES_PER_PASS = 64
-# Signs in a worker's traceback that it failed only because a peer went away.
-LOST_PEER_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
-                   "DistNetworkError", "NCCL communicator was aborted", "Socket Timeout")
 
 
 def launched_by_torchrun() -> bool:
@@ -116,14 +119,14 @@ class ParallelWrapper:
                 raise ConfigError("report_score_after_averaging", "applies to training_mode 'averaging' only")
         self.model = model
         self.training_mode = training_mode
-        self.averaging_frequency = _positive_int(1 if averaging_frequency is None else averaging_frequency, "averaging_frequency")
+        self.averaging_frequency = positive_int(1 if averaging_frequency is None else averaging_frequency, "averaging_frequency")
         self.average_updaters = True if average_updaters is None else bool(average_updaters)
         self.report_score_after_averaging = bool(report_score_after_averaging)
         if not isinstance(prefetch_buffer, int) or isinstance(prefetch_buffer, bool) or prefetch_buffer < 0:
             raise ConfigError("prefetch_buffer", f"must be an integer >= 0, got {prefetch_buffer!r}")
         self.prefetch_buffer = prefetch_buffer
-        self.devices = None if devices is None else [_device_name(d, i) for i, d in enumerate(devices)]
-        self.workers = None if workers is None else _positive_int(workers, "workers")
+        self.devices = None if devices is None else [device_name(d, i) for i, d in enumerate(devices)]
+        self.workers = None if workers is None else positive_int(workers, "workers")
         if not timeout > 0:
             raise ConfigError("timeout", f"must be positive, got {timeout!r}")
         self.timeout = float(timeout)
@@ -139,7 +142,9 @@ class ParallelWrapper:
             raise ConfigError("epochs", f"must be a positive integer, got {epochs!r}")
         validator = None
         if validation is not None:
-            validator = EpochValidation(as_iterator(validation, None), None if metrics is None else list(metrics))
+            held_out = as_iterator(validation, None)
+            self.model.check_data(held_out)
+            validator = EpochValidation(held_out, None if metrics is None else list(metrics))
             listeners = [validator, *listeners]
         summaries = self._fit(iterator, epochs, listeners, _record_examples, None)
         return History(validator.apply(summaries) if validator is not None else summaries)
@@ -176,7 +181,7 @@ class ParallelWrapper:
         return WorkerSpec(
             model_path="",
             torch_model=self.model if isinstance(self.model, TorchModel) else None,
-            source=_own_source(iterator),
+            source=own_source(iterator),
             num_batches=None if is_shardable(iterator) else batches_per_epoch(iterator),
             epochs=epochs,
             mode=self.training_mode,
@@ -207,11 +212,11 @@ class ParallelWrapper:
     def _fit_spawned(self, iterator, epochs, listeners, record) -> list[EpochSummary]:
         devices = self._resolve_devices()
         world = self.workers or (len(devices) if devices[0].startswith("cuda") else 2)
-        _check_world(world, devices, iterator)  # before any process starts
+        check_world(world, devices, iterator)  # before any process starts
         spec = self._spec(iterator, epochs, devices, world, record)
         if spec.torch_model is not None:
-            spec.torch_model = _private_copy(spec.torch_model)
-        _check_picklable(spec)
+            spec.torch_model = private_copy(spec.torch_model)
+        check_picklable(spec)
         replay = EventReplay(self.model, listeners, self._controller)  # the listeners run here
         spec.relay_epochs, spec.relay_iterations = replay.relays_epochs, replay.relays_iterations
         ctx = mp.get_context("spawn")
@@ -239,7 +244,7 @@ class ParallelWrapper:
             patience = 0.0  # on any error, workers still running are killed at once
             failed = True
             try:
-                with _children_ignore_stop_signals():
+                with children_ignore_stop_signals():
                     for proc in procs:
                         proc.start()
                 if feeder is not None:
@@ -253,11 +258,11 @@ class ParallelWrapper:
                                           "before this fit") from None
             finally:
                 stop_event.set()
-                _stop_all(procs, patience)
+                stop_all(procs, patience)
                 if failed:  # the promise of every failure: the model as it was before this fit
                     replay.abandon(spec.model_path)
             restore_state(self.model, result_path)
-            if interrupt.requested:
+            if reports[0].get("interrupted"):  # a signal after the workers' last vote: the fit completed
                 self._end_interrupted(replay, interrupt.cause or "Ctrl-C")
             replay.fit_end(False)
         self.last_records = {rank: r["records"] for rank, r in reports.items()}
@@ -295,13 +300,13 @@ class ParallelWrapper:
                     f"within timeout={self.timeout:.0f} s and were killed; the model keeps its state from before this fit")
             # Looked at before reading: a worker that had exited by then has sent all it will.
             exited = [rank for rank, proc in enumerate(procs) if proc.exitcode is not None]
-            for message in _received(messages, POLL_SECONDS, MESSAGES_PER_PASS):
+            for message in received(messages, POLL_SECONDS, MESSAGES_PER_PASS):
                 if isinstance(message, Done):
                     reports[message.rank] = message.report
                 elif isinstance(message, Failed):
                     trace = message.traceback
-                    kind = "lost-peer" if _is_lost_peer(trace) else "exception"
-                    failures[message.rank] = (kind, f"raised an exception:\n{trace}")
+                    kind = "lost-peer" if is_lost_peer(trace) else "exception"
+                    failures[message.rank] = (kind, trace if message.user_error else f"raised an exception:\n{trace}")
                 else:
                     replay.handle(message)
             for rank in exited:
@@ -327,7 +332,7 @@ class ParallelWrapper:
         rank = min(failures, key=lambda r: (order[failures[r][0]], r))
         kind, detail = failures[rank]
         if kind == "died":
-            detail = _exit_description(procs[rank].exitcode)
+            detail = exit_description(procs[rank].exitcode)
         elif kind == "silent":
             detail = "exited without reporting its result (its report could not be sent back; see its stderr)"
         others = sorted(r for r in failures if r != rank)
@@ -390,37 +395,6 @@ class _Feeder(threading.Thread):
                 self.error = exc
 
 
-def _device_name(device, index: int) -> str:
-    """``cpu`` or ``cuda:N`` for an entry of ``devices``: a GPU index, a name or a torch.device."""
-    where = f"devices[{index}]"
-    try:
-        device = torch.device(f"cuda:{device}" if isinstance(device, int) and not isinstance(device, bool) else device)
-    except (RuntimeError, TypeError):
-        raise ConfigError(where, f"must be cpu, cuda:N or a GPU index, got {device!r}") from None
-    if device.type == "cuda" and device.index is None:
-        # Each worker pins itself to one GPU, and NCCL needs to know whether two share one.
-        raise ConfigError(where, "names no GPU: give its index, e.g. cuda:0 or 0")
-    if device.type not in ("cpu", "cuda"):
-        raise ConfigError(where, f"must be cpu, cuda:N or a GPU index, got {str(device)!r}")
-    return "cpu" if device.type == "cpu" else str(device)  # cpu:0 is the CPU too
-
-
-def _private_copy(model) -> bytes:
-    """A TorchModel for spawned workers: bytes holding a copy of every tensor, read onto
-    the CPU there. Handed over as it is, spawn's pickler would share the parent's tensors
-    (shared memory on a CPU, CUDA IPC on a GPU), and the workers on the parent's device
-    would all train the parent's own parameters."""
-    buffer = io.BytesIO()
-    try:
-        torch.save(model, buffer)
-    except Exception as exc:
-        raise ConfigError("model", f"must be picklable to reach the worker processes: {exc} (define the "
-                                   "module, loss and optimizer factory at module level, not as lambdas or "
-                                   "local functions; or launch the script with torchrun, where nothing is "
-                                   "pickled)") from None
-    return buffer.getvalue()
-
-
 def _decided_here(controller):
     """Early stopping's epoch decision made in this process, on its replica (torchrun's rank 0)."""
     def decide(replica):
@@ -428,112 +402,7 @@ def _decided_here(controller):
     return decide
 
 
-def _check_picklable(spec: WorkerSpec) -> None:
-    """Spawned workers receive the spec by pickle; say what cannot travel before starting any.
-    (Listeners stay in this process, which runs them.)"""
-    for name, value in (("iterator", spec.source), ("iteration_conditions", spec.iteration_conditions)):
-        try:
-            pickle.dumps(value)
-        except Exception as exc:
-            raise ConfigError(name, f"must be picklable to reach the worker processes: {exc}") from None
-
-
-def _received(q, timeout: float, most: int) -> list:
-    """What is waiting in ``q``: up to ``most`` messages, waiting ``timeout`` s for the first."""
-    found = []
-    try:
-        found.append(q.get(timeout=timeout))
-        while len(found) < most:
-            found.append(q.get_nowait())
-    except Exception:  # queue.Empty, or a queue torn down with its process
-        pass
-    return found
-
-
-def _is_lost_peer(trace: str) -> bool:
-    return any(sign in trace for sign in LOST_PEER_SIGNS)
-
-
-def _stop_all(procs, patience: float) -> None:
-    """Give the workers ``patience`` seconds to exit, then kill what still runs; nothing is
-    left behind. (Workers ignore SIGTERM, which a process group's stop sends them too, so
-    killing is the only way; they hold nothing that needs saving.)"""
-    deadline = time.monotonic() + patience
-    for proc in procs:
-        proc.join(timeout=max(0.0, deadline - time.monotonic()))
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=GRACE_SECONDS)
-
-
-@contextlib.contextmanager
-def _children_ignore_stop_signals():
-    """Workers are born ignoring SIGINT and SIGTERM: an ignored signal stays ignored across
-    exec, and Python installs its KeyboardInterrupt handler only over the default. Without
-    this, a Ctrl-C while a worker still imports torch (seconds) would kill it before it can
-    ignore the signal itself. The signals are blocked here meanwhile, so one sent to this
-    process in that window waits for the handler rather than being lost."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    stop_signals = {signal.SIGINT, signal.SIGTERM}
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
-    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in stop_signals}
-    try:
-        yield
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-
-
-def _own_source(iterator):
-    """Where workers read their batches themselves (None: the coordinator deals them)."""
-    from dl4py.data import ArrayDataSetIterator
-
-    if isinstance(iterator, ArrayDataSetIterator):
-        return ShardedSource(iterator)
-    if is_shardable(iterator):
-        return StreamShardSource(iterator)
-    return None
-
-
-def _check_world(world: int, devices: list[str], iterator) -> None:
-    """Refuse a worker count that cannot work before anything is started, naming the limit."""
-    if is_shardable(iterator):
-        pieces = len(iterator.pieces())
-        if world > pieces:
-            raise ConfigError("workers", f"is {world} but the streamed data has {pieces} pieces (files or Parquet "
-                                         f"row groups) to share out; each worker reads whole pieces: use at most "
-                                         f"{pieces} workers, or split the data into more files")
-    batches = None if is_shardable(iterator) else batches_per_epoch(iterator)
-    if batches and world > batches:
-        raise ConfigError("workers", f"is {world} but an epoch has only {batches} batches: every worker needs a "
-                                     f"batch in the first round; use at most {batches} workers or a smaller batch size")
-    cpu_workers = sum(1 for rank in range(world) if devices[rank % len(devices)] == "cpu")
-    cores = os.cpu_count() or 1
-    if cpu_workers > CPU_WORKERS_PER_CORE * cores:
-        raise ConfigError("workers", f"is {world}, which puts {cpu_workers} workers on the CPU of a machine with "
-                                     f"{cores} cores; use at most {CPU_WORKERS_PER_CORE * cores} "
-                                     f"({CPU_WORKERS_PER_CORE} per core)")
-
-
-def _exit_description(exitcode: int) -> str:
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        return f"was killed by {name}"
-    return f"exited with code {exitcode} without reporting an error"
-
-
 def _summary(d: dict) -> EpochSummary:
     return EpochSummary(**{f.name: d[f.name] for f in dataclasses.fields(EpochSummary) if f.name in d})
 
 
-def _positive_int(value, name: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(name, f"must be a positive integer, got {value!r}")
-    return value

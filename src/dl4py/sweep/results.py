@@ -24,7 +24,7 @@ from dl4py.sweep.plan import Plan, short_keys
 # flag could rank accuracy upside down without anyone noticing.
 METRICS = {
     "val_accuracy": True, "val_f1": True, "val_precision": True, "val_recall": True, "val_loss": False,
-    "val_r2": True, "val_mse": False, "val_mae": False,
+    "val_r_squared": True, "val_mean_squared_error": False,
     "test_accuracy": True, "test_f1": True, "test_precision": True, "test_recall": True,
     "test_r2": True, "test_mse": False, "test_mae": False, "test_rmse": False,
     "train_samples_per_second": True, "final_score": False, "wall_seconds": False,

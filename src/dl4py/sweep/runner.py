@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from dl4py.config.run import RunConfig
-from dl4py.errors import ConfigError, DL4PyError, StorageError
-from dl4py.folders import LOCK_FILE, FolderLock, path_inside
+from dl4py.errors import ConfigError, DL4PyError
+from dl4py.folders import FolderLock, claim_new_folder, path_inside
 from dl4py.io import atomic_write_json, atomic_write_text
 from dl4py.run_dir import CHECKPOINT, new_run_dir
 from dl4py.sweep import results as table
@@ -111,7 +111,7 @@ def make_plan(config, grid, ranges, random, seed, overrides, metric=None) -> Pla
         base, name = RunConfig.from_file(config), Path(config).stem
     base = base.with_overrides(list(overrides))
     if metric is None:
-        metric = "val_accuracy" if getattr(base.data, "validation", None) is not None else "test_accuracy"
+        metric = default_metric(base)
     check_keys(base, [a.partition("=")[0].strip() for a in overrides], "--set")  # no training.backend
     if base.environment.devices is not None:
         raise ConfigError("environment.devices", "is set by the sweep for each device slot (--devices); remove it")
@@ -124,6 +124,18 @@ def make_plan(config, grid, ranges, random, seed, overrides, metric=None) -> Pla
     experiments = expand(grid, ranges, random, seed)
     # Through JSON once, so the plan compares equal to the one read back from sweep.json.
     return Plan(json.loads(json.dumps(base.to_dict())), name, tuple(experiments), grid, ranges, random, seed, metric)
+
+
+def default_metric(config: RunConfig) -> str:
+    """What a sweep ranks by unless told: the validation score when the config holds data
+    out, else the test set's; R² for a network trained with a regression loss."""
+    from dl4py.eval.select import is_regression_loss
+
+    layers = config.network.layers
+    regression = bool(layers) and is_regression_loss(getattr(layers[-1], "loss", None))
+    if config.data.validation is not None:
+        return "val_r_squared" if regression else "val_accuracy"
+    return "test_r2" if regression else "test_accuracy"
 
 
 def _open_sweep_dir(plan: Plan | None, output, resume: bool) -> tuple[Path, Plan, FolderLock]:
@@ -146,21 +158,10 @@ def _open_sweep_dir(plan: Plan | None, output, resume: bool) -> tuple[Path, Plan
             lock.release()
             raise
         return sweep_dir, stored, lock
-    if output is None:
-        sweep_dir = new_run_dir(plan.config_name, root=Path("sweeps"))
-    else:
-        sweep_dir = Path(output)
-        try:
-            sweep_dir.mkdir(parents=True, exist_ok=True)
-        except FileExistsError:
-            raise ConfigError("--output", f"{sweep_dir} exists and is not a directory") from None
-        except OSError as exc:
-            raise StorageError("create the sweep folder", sweep_dir, exc) from None
-    lock = FolderLock(sweep_dir, "sweep folder").acquire()
+    sweep_dir = new_run_dir(plan.config_name, root=Path("sweeps")) if output is None else Path(output)
+    lock, _ = claim_new_folder(sweep_dir, "sweep folder",
+                               "choose another folder, or pass --resume to continue the sweep in it")
     try:
-        if any(entry.name != LOCK_FILE for entry in sweep_dir.iterdir()):
-            raise ConfigError("--output", f"{sweep_dir} already holds files; choose another folder, "
-                                          "or pass --resume to continue the sweep in it")
         _claim(sweep_dir / PLAN, json.dumps(plan.to_dict(), indent=2) + "\n")
         atomic_write_text(sweep_dir / BASE_CONFIG, RunConfig.from_dict(plan.config).to_yaml())
     except BaseException:

@@ -67,6 +67,7 @@ def fit(model, iterator, epochs: int, listeners: list, validation=None, metrics=
     iterator = data_source(model, iterator)
     history = History()
     interrupted = False
+    iterations_before = model.iteration_count
     with DeferredInterrupt() as interrupt:
         for listener in listeners:
             listener.on_fit_start(model)
@@ -87,9 +88,11 @@ def fit(model, iterator, epochs: int, listeners: list, validation=None, metrics=
                 if not summary.completed:
                     break  # a listener asked to stop (early stopping)
         except Exception:
-            # The next fit starts this epoch over: its position belongs to this failed pass
-            # (a resumed checkpoint or a Ctrl-C keep theirs, to continue where they stopped).
-            model.batch_in_epoch = 0
+            # A pass that trained and then failed: the next fit starts this epoch over, on
+            # whatever data it is given. A fit that failed before its first step (wrong data
+            # for a resumed position, say) keeps the position to resume from.
+            if model.iteration_count != iterations_before:
+                model.batch_in_epoch = 0
             raise
         finally:
             for listener in listeners:
@@ -112,8 +115,8 @@ def _run_epoch(model, iterator, listeners, interrupt) -> EpochSummary | None:
     step = model._train_step
     for listener in listeners:
         listener.on_epoch_start(model, epoch)
-    length = _length(iterator)
-    if skip and length is not None and skip > length:
+    length = _length(iterator) if skip else None
+    if length is not None and skip > length:
         raise DataError(f"the model stopped after batch {skip} of epoch {epoch}, but this data has only {length} "
                         "batches per epoch: resume with the data (and batch size) it was trained on")
     device = model.backend.device
@@ -159,7 +162,7 @@ def _run_epoch(model, iterator, listeners, interrupt) -> EpochSummary | None:
 def _length(iterator) -> int | None:
     try:
         return len(iterator)
-    except TypeError:  # a source of unknown length (a stream)
+    except (TypeError, NotImplementedError):  # a source of unknown length (a stream, a user's iterator)
         return None
 
 

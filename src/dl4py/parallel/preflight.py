@@ -1,0 +1,96 @@
+"""What the ParallelWrapper checks and prepares before any worker starts: devices, the
+worker count against the data and the machine, where the workers read their batches, and
+what must travel to them by pickle."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+
+import torch
+
+from dl4py.errors import ConfigError
+from dl4py.parallel.sources import ShardedSource, StreamShardSource, batches_per_epoch, is_shardable
+
+# More CPU workers than this many per core only thrash: each needs its own process, model
+# replica and memory, and they take turns on the cores.
+CPU_WORKERS_PER_CORE = 4
+
+
+def device_name(device, index: int) -> str:
+    """``cpu`` or ``cuda:N`` for an entry of ``devices``: a GPU index, a name or a torch.device."""
+    where = f"devices[{index}]"
+    try:
+        device = torch.device(f"cuda:{device}" if isinstance(device, int) and not isinstance(device, bool) else device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(where, f"must be cpu, cuda:N or a GPU index, got {device!r}") from None
+    if device.type == "cuda" and device.index is None:
+        # Each worker pins itself to one GPU, and NCCL needs to know whether two share one.
+        raise ConfigError(where, "names no GPU: give its index, e.g. cuda:0 or 0")
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(where, f"must be cpu, cuda:N or a GPU index, got {str(device)!r}")
+    return "cpu" if device.type == "cpu" else str(device)  # cpu:0 is the CPU too
+
+
+def private_copy(model) -> bytes:
+    """A TorchModel for spawned workers: bytes holding a copy of every tensor, read onto
+    the CPU there. Handed over as it is, spawn's pickler would share the parent's tensors
+    (shared memory on a CPU, CUDA IPC on a GPU), and the workers on the parent's device
+    would all train the parent's own parameters."""
+    buffer = io.BytesIO()
+    try:
+        torch.save(model, buffer)
+    except Exception as exc:
+        raise ConfigError("model", f"must be picklable to reach the worker processes: {exc} (define the "
+                                   "module, loss and optimizer factory at module level, not as lambdas or "
+                                   "local functions; or launch the script with torchrun, where nothing is "
+                                   "pickled)") from None
+    return buffer.getvalue()
+
+
+def check_picklable(spec) -> None:
+    """Spawned workers receive the spec by pickle; say what cannot travel before starting any.
+    (Listeners stay in this process, which runs them.)"""
+    for name, value in (("iterator", spec.source), ("iteration_conditions", spec.iteration_conditions)):
+        try:
+            pickle.dumps(value)
+        except Exception as exc:
+            raise ConfigError(name, f"must be picklable to reach the worker processes: {exc}") from None
+
+
+def own_source(iterator):
+    """Where workers read their batches themselves (None: the coordinator deals them)."""
+    from dl4py.data import ArrayDataSetIterator
+
+    if isinstance(iterator, ArrayDataSetIterator):
+        return ShardedSource(iterator)
+    if is_shardable(iterator):
+        return StreamShardSource(iterator)
+    return None
+
+
+def check_world(world: int, devices: list[str], iterator) -> None:
+    """Refuse a worker count that cannot work before anything is started, naming the limit."""
+    if is_shardable(iterator):
+        pieces = len(iterator.pieces())
+        if world > pieces:
+            raise ConfigError("workers", f"is {world} but the streamed data has {pieces} pieces (files or Parquet "
+                                         f"row groups) to share out; each worker reads whole pieces: use at most "
+                                         f"{pieces} workers, or split the data into more files")
+    batches = None if is_shardable(iterator) else batches_per_epoch(iterator)
+    if batches and world > batches:
+        raise ConfigError("workers", f"is {world} but an epoch has only {batches} batches: every worker needs a "
+                                     f"batch in the first round; use at most {batches} workers or a smaller batch size")
+    cpu_workers = sum(1 for rank in range(world) if devices[rank % len(devices)] == "cpu")
+    cores = os.cpu_count() or 1
+    if cpu_workers > CPU_WORKERS_PER_CORE * cores:
+        raise ConfigError("workers", f"is {world}, which puts {cpu_workers} workers on the CPU of a machine with "
+                                     f"{cores} cores; use at most {CPU_WORKERS_PER_CORE * cores} "
+                                     f"({CPU_WORKERS_PER_CORE} per core)")
+
+
+def positive_int(value, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(name, f"must be a positive integer, got {value!r}")
+    return value

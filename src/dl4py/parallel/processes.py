@@ -1,0 +1,74 @@
+"""The ParallelWrapper's worker processes: reading their messages, telling a lost peer from
+a cause, and stopping them all, with nothing left behind and no Ctrl-C reaching them."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+
+GRACE_SECONDS = 3.0
+# Signs in a worker's traceback that it failed only because a peer went away.
+LOST_PEER_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+                   "DistNetworkError", "NCCL communicator was aborted", "Socket Timeout")
+
+
+def received(q, timeout: float, most: int) -> list:
+    """What is waiting in ``q``: up to ``most`` messages, waiting ``timeout`` s for the first."""
+    found = []
+    try:
+        found.append(q.get(timeout=timeout))
+        while len(found) < most:
+            found.append(q.get_nowait())
+    except Exception:  # queue.Empty, or a queue torn down with its process
+        pass
+    return found
+
+
+def is_lost_peer(trace: str) -> bool:
+    return any(sign in trace for sign in LOST_PEER_SIGNS)
+
+
+def stop_all(procs, patience: float) -> None:
+    """Give the workers ``patience`` seconds to exit, then kill what still runs; nothing is
+    left behind. (Workers ignore SIGTERM, which a process group's stop sends them too, so
+    killing is the only way; they hold nothing that needs saving.)"""
+    deadline = time.monotonic() + patience
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=GRACE_SECONDS)
+
+
+@contextlib.contextmanager
+def children_ignore_stop_signals():
+    """Workers are born ignoring SIGINT and SIGTERM: an ignored signal stays ignored across
+    exec, and Python installs its KeyboardInterrupt handler only over the default. Without
+    this, a Ctrl-C while a worker still imports torch (seconds) would kill it before it can
+    ignore the signal itself. The signals are blocked here meanwhile, so one sent to this
+    process in that window waits for the handler rather than being lost."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    stop_signals = {signal.SIGINT, signal.SIGTERM}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in stop_signals}
+    try:
+        yield
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def exit_description(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"was killed by {name}"
+    return f"exited with code {exitcode} without reporting an error"
