@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import sys
 
-import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from torch.utils.data import DataLoader
 
 from dl4py import DenseLayer, InputType, MultiLayerNetwork, NetworkConfig, OutputLayer, TableDirectoryIterator
 from dl4py.data import UnknownLengthError
 from dl4py.errors import DataError
-from dl4py.train import TrainingListener
 
 ROWS, FILES = 1150, 5
 
