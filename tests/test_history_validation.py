@@ -37,7 +37,7 @@ def mlp(seed: int = 3) -> NetworkConfig:
 @pytest.fixture
 def slices(mnist):
     train = MnistDataSetIterator(64, train=True, seed=1, limit=1500)
-    validation = MnistDataSetIterator(250, train=False, seed=1, shuffle=False, limit=500)
+    validation = MnistDataSetIterator(200, train=False, seed=1, shuffle=False, limit=500)  # batches 200, 200, 100
     return train, validation
 
 

@@ -241,17 +241,19 @@ class Model:
         """Statistics over every batch of ``data``: a ``RegressionEvaluation`` when the output's
         loss is a regression loss (mse, l1, ...: DL4J's ``evaluateRegression``) and the labels
         are not class indices, else a classification ``Evaluation``."""
+        return self.evaluate_and_score(data, batch_size=batch_size, label=label, features=features,
+                                       loss=False)[0]
+
+    def evaluate_and_score(self, data, *, batch_size: int | None = None, label=None, features=None,
+                           loss: bool = True) -> tuple:
+        """``(evaluate(data), score(data))`` in one pass over ``data`` (the score None when
+        ``loss`` is False): what validation after each epoch needs, at the cost of one."""
         from dl4py.eval.select import new_evaluation
 
-        evaluations = []  # made at the first batch, when the labels' kind is known
-
-        def add(labels, predictions):
-            if not evaluations:
-                evaluations.append(new_evaluation(self, labels))
-            evaluations[0].eval(labels, predictions)
-
-        self._evaluate_into(data, add, batch_size, label, features)
-        return evaluations[0] if evaluations else new_evaluation(self)
+        # Made at the first batch, when the labels' kind is known.
+        evaluation, mean_loss = self._evaluate_into(data, lambda labels, _: new_evaluation(self, labels),
+                                                    batch_size, label, features, loss)
+        return evaluation if evaluation is not None else new_evaluation(self), mean_loss
 
     def evaluate_roc(self, data, threshold_steps: int = 0, *, batch_size: int | None = None, label=None,
                      features=None):
@@ -261,24 +263,30 @@ class Model:
         from dl4py.eval.roc import ROC
         from dl4py.eval.select import new_roc
 
-        rocs = []  # made at the first batch, when the output's width is known
+        # Made at the first batch, when the output's width is known.
+        roc, _ = self._evaluate_into(data, lambda _, predictions: new_roc(predictions, threshold_steps),
+                                     batch_size, label, features)
+        return roc if roc is not None else ROC(threshold_steps)
 
-        def add(labels, predictions):
-            if not rocs:
-                rocs.append(new_roc(predictions, threshold_steps))
-            rocs[0].eval(labels, predictions)
-
-        self._evaluate_into(data, add, batch_size, label, features)
-        return rocs[0] if rocs else ROC(threshold_steps)
-
-    def _evaluate_into(self, data, add, batch_size, label, features) -> None:
-        """Call ``add(labels, predictions)`` for every batch; predictions after the output activation."""
+    def _evaluate_into(self, data, make, batch_size, label, features, loss: bool = False):
+        """One pass over ``data``: ``(evaluation, mean loss)``. The evaluation is ``make(labels,
+        predictions)`` of the first batch (None for no batch), fed every batch's predictions
+        after the output activation; the mean loss is None unless ``loss``."""
+        evaluation, count = None, 0
+        total = torch.zeros((), dtype=torch.float64, device=self.device)  # read once, at the end
         with self._inference():
             for batch in as_iterator(data, batch_size, label=label, features=features):
                 x, y = self._prepare(batch)
                 with self.precision.forward_context(self.backend.device):
-                    predictions = self.activate(self.module(x))
-                add(y, predictions)
+                    outputs = self.module(x)
+                    predictions = self.activate(outputs)
+                    if loss:
+                        total += self.loss(outputs, y).double() * x.shape[0]
+                count += x.shape[0]
+                if evaluation is None:
+                    evaluation = make(y, predictions)
+                evaluation.eval(y, predictions)
+        return evaluation, (float(total) / max(count, 1) if loss else None)
 
     def set_normalizer(self, normalizer) -> "Model":
         """Normalize every input from now on (DL4J's ``setPreProcessor`` + ``addNormalizerToModel``):

@@ -53,8 +53,8 @@ def split_validation(iterator, fraction: float, seed: int | None = None):
 
 def validation_record(model, data, metrics=None) -> dict:
     """``{"val_loss": ..., "val_accuracy": ...}``: the model scored on ``data``."""
-    evaluation = model.evaluate(data)
-    record = {"val_loss": model.score(data)}
+    evaluation, loss = model.evaluate_and_score(data)
+    record = {"val_loss": loss}
     for name in metrics or default_metrics(evaluation):
         record[f"val_{name}"] = metric_value(evaluation, name)
     return record
