@@ -168,7 +168,10 @@ def _train_locked(config: RunConfig, run_dir: Path, resume: bool, progress, reco
         atomic_write_text(run_dir / "evaluation.txt", evaluation.stats())
         metrics.write({"kind": "evaluation", "epoch": model.epoch_count, **_eval_fields(evaluation)})
     if validation is not None:  # the run's model on the held-out data (what a sweep ranks by)
-        result.update({k: _json_number(v) for k, v in validation_record(model, validation).items()})
+        # Without early stopping that model is the last epoch's, scored already.
+        last = summaries[-1].validation if stopping is None and summaries else None
+        scores = last if last is not None else validation_record(model, validation)
+        result.update({k: _json_number(v) for k, v in scores.items()})
     result.update(result_fields(config, model, summaries, evaluation, record.started), **trained,
                   history=History(summaries).to_dict(), status="completed")
     atomic_write_json(run_dir / "result.json", result)
