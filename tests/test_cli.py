@@ -78,7 +78,7 @@ def test_resume_continues_the_epoch_count(tmp_path, mnist, capsys):
     (["--averaging-frequency", "3"], r"training\.averaging_frequency: applies to parallel training only"),
     (["--workers", "2", "--training-mode", "shared_gradients", "--averaging-frequency", "2"],
      r"training\.averaging_frequency: applies to training_mode 'averaging' only"),
-    (["--workers", "0"], r"training\.workers: must be positive, got 0"),
+    (["--workers", "0"], r"training\.workers: must be a positive integer, got 0"),
     (["--backend", "gpu"], None),
 ])
 def test_bad_settings_fail_before_training_with_the_key(tmp_path, mnist, capsys, args, message):

@@ -115,7 +115,7 @@ class Seen(TrainingListener):
 
     def __init__(self, net, scale=1):
         self.epochs: list[list[int]] = []
-        prepare = net._prepare
+        prepare = net.prepare_batch
 
         def recording(batch):
             if not self.epochs or net.batch_in_epoch == 0:
@@ -123,7 +123,7 @@ class Seen(TrainingListener):
             self.epochs[-1] += (batch.features[:, 0] * scale).round().long().tolist()
             return prepare(batch)
 
-        net._prepare = recording
+        net.prepare_batch = recording
 
 
 def test_arrays_default_to_batches_of_32_shuffled_by_the_models_seed():

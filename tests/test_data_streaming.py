@@ -48,8 +48,8 @@ def test_a_directory_larger_than_the_cap_trains_one_epoch_seeing_every_row_once(
     assert table.rows_cap < ROWS / 5  # the reader may hold a fifth of the data at most
     seen = []
     net = MultiLayerNetwork(mlp())
-    prepare = net._prepare
-    net._prepare = lambda batch: (seen.append(batch), prepare(batch))[1]
+    prepare = net.prepare_batch
+    net.prepare_batch = lambda batch: (seen.append(batch), prepare(batch))[1]
     history = net.fit(table, epochs=1)
     assert sorted(ids_of(seen)) == list(range(ROWS))
     assert list(history.history["examples"]) == [ROWS]
@@ -93,8 +93,8 @@ def test_dataloader_workers_read_their_own_shards_in_background(tmp_path):
     loader = DataLoader(table.as_dataset(), batch_size=None, num_workers=2)
     seen = []
     net = MultiLayerNetwork(mlp())
-    prepare = net._prepare
-    net._prepare = lambda batch: (seen.append(batch), prepare(batch))[1]
+    prepare = net.prepare_batch
+    net.prepare_batch = lambda batch: (seen.append(batch), prepare(batch))[1]
     net.fit(loader, epochs=1)
     assert sorted(ids_of(seen)) == list(range(ROWS))
 

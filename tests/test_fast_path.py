@@ -83,7 +83,7 @@ def test_device_data_trains_exactly_like_host_batches(shuffle, drop_last, limit)
 
     host, host_it, host_summaries = train("off")
     dev, dev_it, dev_summaries = train("on")
-    assert host._device_data is None and isinstance(dev._device_data, DeviceDataSetIterator)
+    assert host.device_data is None and isinstance(dev.device_data, DeviceDataSetIterator)
     assert all(torch.equal(a, b) for a, b in zip(params(host), params(dev)))
     assert [s.examples for s in dev_summaries] == [s.examples for s in host_summaries]
     assert dev_it._next_epoch == host_it._next_epoch == 3  # the wrapped iterator's counter moved
@@ -109,15 +109,15 @@ def test_fit_keeps_the_device_copy_between_calls():
     with settings(device_data="on"):
         net = MultiLayerNetwork(mlp(), backend="cpu")
         net.fit(it)
-        copy = net._device_data
+        copy = net.device_data
         net.fit(it)
-        assert net._device_data is copy  # early stopping fits one epoch at a time
+        assert net.device_data is copy  # early stopping fits one epoch at a time
         other = ArrayDataSetIterator(x, y, batch_size=16)
         net.fit(other)
-        assert net._device_data is not copy and net._device_data.copies(other)
+        assert net.device_data is not copy and net.device_data.copies(other)
     with settings(device_data="off"):
         net.fit(it)
-        assert net._device_data is None
+        assert net.device_data is None
 
 
 class Stream(DataSetIterator):
@@ -140,7 +140,7 @@ def test_device_data_on_needs_an_in_memory_iterator():
     with settings(device_data="auto"):
         net = MultiLayerNetwork(mlp(), backend="cpu")
         net.fit(Stream())
-        assert net.iteration_count == 4 and net._device_data is None
+        assert net.iteration_count == 4 and net.device_data is None
     with pytest.raises(DataError, match="needs an in-memory ArrayDataSetIterator"):
         DeviceDataSetIterator(Stream(), "cpu")
 
@@ -306,8 +306,8 @@ def test_channels_last_trains_like_the_default_format():
     four_d = torch.rand(3, 1, 8, 8)
     with settings(channels_last="on"):
         net = trained["on"]
-        assert net._convert_input(four_d).is_contiguous(memory_format=torch.channels_last)
-        assert net._convert_input(x[:3]).shape == (3, 64)  # flat rows stay rows
+        assert net.prepare_input(four_d).is_contiguous(memory_format=torch.channels_last)
+        assert net.prepare_input(x[:3]).shape == (3, 64)  # flat rows stay rows
 
 
 def test_channels_last_model_files_are_the_default_formats_and_resume_exactly(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dl4py import DenseLayer, InputType, MultiLayerNetwork, NetworkConfig, OutputLayer, Sgd
-from dl4py.train import MetricsLogger, PerformanceListener, ProgressBar
+from dl4py.train import MetricsLogger, PerformanceListener, ProgressBar, ScoreIterationListener
 
 
 def tiny_net():
@@ -51,3 +51,22 @@ def test_metrics_logger_writes_iterations_and_epochs(tmp_path):
     assert all(r["time"] >= 0 for r in records)
     epoch = next(r for r in records if r["kind"] == "epoch")
     assert epoch["examples"] == 100 and epoch["batches"] == 10 and epoch["samples_per_second"] > 0
+
+
+def test_listeners_count_iterations_that_move_by_more_than_one(tmp_path):
+    """A parallel fit calls once a round, for every worker's batches: with two workers and 9
+    batches, iterations 2, 4, 6, 8, 9. "Every 3" is then each multiple of 3 passed."""
+    net, stream = tiny_net().init(), io.StringIO()
+    score, metrics = ScoreIterationListener(3), MetricsLogger(tmp_path / "metrics.jsonl", every=3)
+    bar, speed = ProgressBar(1, 9, stream=stream, interval=3600), PerformanceListener(frequency=4, report=False)
+    listeners = [score, metrics, bar, speed]
+    for listener in listeners:
+        listener.on_epoch_start(net, 0)
+    for iteration in (2, 4, 6, 8, 9):
+        for listener in listeners:
+            listener.iteration_done(net, iteration, 0, torch.tensor(0.5), 10 * (iteration % 2 or 2))
+    metrics.on_fit_end(net, False)
+    assert [i for i, _ in score.history] == [4, 6, 9]
+    assert [json.loads(line)["iteration"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [4, 6, 9]
+    assert "9/9" in stream.getvalue()  # drawn at the end of the epoch, whatever the interval
+    assert speed.samples_per_second / speed.batches_per_second == pytest.approx(10)

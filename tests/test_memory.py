@@ -2,7 +2,7 @@
 
 "Measured" is the peak of live tensor bytes in a real step of a real model, followed
 operator by operator (``LiveTensorBytes``, a TorchDispatchMode); the estimate comes from
-the config alone. Every case must agree within 10%.
+the config alone. Every case must agree within 1% (``TOLERANCE``).
 """
 
 from __future__ import annotations
@@ -45,6 +45,19 @@ def _mlp(hidden: int = 4000, updater=None, l2: float = 5e-4) -> NetworkConfig:
 VGG = RunConfig.from_file(ROOT / "examples" / "vgg_small.yaml").network  # conv pairs, batch norm, dropout
 MODELS = {"lenet": LENET, "mlp-784-4000-4000-10": RunConfig.from_file(ROOT / "examples" / "mlp_4000.yaml").network,
           "vgg": VGG}
+# Estimates agree with the measured peaks to about 0.1%. The batch itself is 1-2% of
+# LeNet's peak: a looser bound would not notice an estimate that forgot it.
+TOLERANCE = 0.01
+# Float at every batch; bfloat16 at the small ones only. This CPU has no native bfloat16
+# arithmetic: the bfloat16 cases at batch 512 and 1024 took 25-160 s each (the MLP's 50 s
+# at 128), most of this file's time, and checked no rule the others do not: in bfloat16
+# each model's peak is in the same phase at every batch from 32 to 1024 (LeNet and VGG in
+# a max pooling's backward, the MLP in the update), so a larger batch only scales the
+# per-example terms, which float checks at every batch.
+MEASURED_CASES = [(name, batch, "float") for name in MODELS for batch in (32, 128, 512, 1024)] + [
+    ("lenet", 32, "bfloat16"), ("lenet", 128, "bfloat16"), ("vgg", 32, "bfloat16"), ("vgg", 128, "bfloat16"),
+    ("mlp-784-4000-4000-10", 32, "bfloat16"),
+]
 
 
 def _measured(config: NetworkConfig, batch: int, precision: str) -> int:
@@ -53,6 +66,40 @@ def _measured(config: NetworkConfig, batch: int, precision: str) -> int:
     features = torch.rand(batch, *config.input_type.example_shape(), generator=generator)
     labels = torch.randint(0, 10, (batch,), generator=generator)
     return measure_training_step(net, features, labels).peak_bytes
+
+
+# -- the measurement itself ------------------------------------------------------------
+
+def test_live_tensor_bytes_counts_each_storage_once_while_it_lives():
+    tracker = LiveTensorBytes()
+    weights = torch.zeros(1000)  # made before the mode: counted once tracked, views and all
+    tracker.track(weights, weights[10:20], [weights.view(10, 100)])
+    assert tracker.current == tracker.peak == 4000
+    outside = torch.zeros(500)  # never tracked, never seen: not counted
+    with tracker:
+        a = torch.empty(256, dtype=torch.float64)
+        b = torch.ones(100, dtype=torch.bfloat16)
+        c = torch.zeros(7, dtype=torch.int8)
+        d = torch.zeros(3, dtype=torch.bool)
+        assert tracker.current == 4000 + 256 * 8 + 100 * 2 + 7 + 3
+        views = [a[::2], a.view(16, 16), a.view(torch.int32), b.t()]  # share their storages
+        assert tracker.current == 6258
+        del a  # its views keep the storage
+        assert tracker.current == 6258
+        del views  # now it is freed
+        assert tracker.current == 6258 - 2048 and tracker.peak == 6258
+        grown = torch.empty(0)
+        torch.mul(torch.ones(50), 2, out=grown)  # an out= result resized in place: its new size
+        assert tracker.current == 4210 + 200  # the temporary ones(50) is gone again
+        e = torch.empty(5000, dtype=torch.float16)  # 10,000 bytes: the new peak
+        torch.empty(10**9, device="meta")  # no memory
+        del e, b, c
+    assert tracker.peak == 4410 + 10_000 and tracker.peak_op == "aten.empty.memory_format"
+    assert tracker.current == 4000 + 3 + 200
+    del d, grown, outside
+    assert tracker.current == 4000
+    del weights
+    assert tracker.current == 0
 
 
 # -- the seed's arithmetic -------------------------------------------------------------
@@ -83,14 +130,12 @@ def test_max_parameters_rejects_a_reserve_larger_than_the_memory():
 
 # -- the estimate against measured steps -----------------------------------------------
 
-@pytest.mark.parametrize("precision", ["float", "bfloat16"])
-@pytest.mark.parametrize("batch", [32, 128, 512, 1024])
-@pytest.mark.parametrize("name", list(MODELS))
-def test_estimate_is_within_10_percent_of_the_measured_peak(name, batch, precision):
+@pytest.mark.parametrize("name, batch, precision", MEASURED_CASES)
+def test_estimate_is_within_1_percent_of_the_measured_peak(name, batch, precision):
     config = MODELS[name]
     measured = _measured(config, batch, precision)
     estimated = estimate(config, batch, precision, device="cpu").peak_bytes
-    assert abs(estimated / measured - 1) <= 0.10, (name, batch, precision, estimated, measured)
+    assert abs(estimated / measured - 1) <= TOLERANCE, (name, batch, precision, estimated, measured)
 
 
 @pytest.mark.parametrize("kernel", ["loop", "foreach", "fused"])
@@ -104,15 +149,17 @@ def test_each_update_implementation_is_estimated(updater, kernel, monkeypatch):
     monkeypatch.setattr(network_module, "make_optimizer", lambda u, groups, *a, **k: real(u, groups, kernel))
     measured = _measured(config, 16, "float")
     estimated = estimate(config, 16, "float", device="cpu", optimizer=kernel).peak_bytes
-    assert abs(estimated / measured - 1) <= 0.10, (kernel, estimated, measured)
+    assert abs(estimated / measured - 1) <= TOLERANCE, (kernel, estimated, measured)
 
 
 @pytest.mark.parametrize("precision", ["double", "mixed-bf16"])
 def test_other_precisions_are_estimated(precision):
-    for config, batch in ((LENET, 256), (_mlp(1500), 64)):
+    # At batch 256 the MLP's first autocast weight copy, which autograd does not keep, is 4%
+    # of the mixed-bf16 peak: an estimate that kept it until the backward pass fails here.
+    for config, batch in ((LENET, 256), (_mlp(1500), 256)):
         measured = _measured(config, batch, precision)
         estimated = estimate(config, batch, precision, device="cpu").peak_bytes
-        assert abs(estimated / measured - 1) <= 0.10, (precision, estimated, measured)
+        assert abs(estimated / measured - 1) <= TOLERANCE, (precision, batch, estimated, measured)
 
 
 def test_inference_needs_no_gradients_and_is_estimated():
@@ -125,7 +172,7 @@ def test_inference_needs_no_gradients_and_is_estimated():
     report = estimate(VGG, 256, "float", training=False, device="cpu")
     assert report.gradient_bytes == report.updater_bytes == report.activation_bytes == 0
     # Labels are not part of inference; they are a few bytes per example in the estimate.
-    assert abs(report.peak_bytes / tracker.peak - 1) <= 0.10
+    assert abs(report.peak_bytes / tracker.peak - 1) <= TOLERANCE
     assert report.peak_bytes < estimate(VGG, 256, "float", device="cpu").peak_bytes
 
 

@@ -223,6 +223,40 @@ def test_ctrl_c_stops_cleanly_keeps_checkpoint_and_resumes(tmp_path, mnist):
         assert torch.equal(a, b), name
 
 
+class _SaveAt(TrainingListener):
+    """Saves the model part-way through an epoch, as a periodic checkpoint would."""
+
+    def __init__(self, path, iteration):
+        self.path, self.iteration = path, iteration
+
+    def iteration_done(self, model, iteration, epoch, loss, batch_size):
+        if iteration == self.iteration:
+            model.save(self.path)
+
+
+@pytest.mark.parametrize("stop", ["ctrl-c", "saved-while-training"])
+def test_mid_epoch_resume_with_dropout_is_exact(tmp_path, mnist, stop):
+    """The checkpoint keeps the dropout generators' state where the epoch stopped, so the
+    resumed epoch draws the masks the uninterrupted run drew: the weights are bit-equal."""
+    train = MnistDataSetIterator(64, train=True, seed=5, limit=640)  # 10 batches per epoch
+    straight = MultiLayerNetwork(small_cnn())  # with a DropoutLayer
+    straight.fit(train, epochs=2)
+
+    ckpt = tmp_path / "checkpoint.dl4py"
+    net = MultiLayerNetwork(small_cnn())
+    if stop == "ctrl-c":
+        with pytest.raises(TrainingInterrupted, match="after iteration 13"):
+            net.fit(train, epochs=2, listeners=[CheckpointListener(ckpt), _CtrlCAt(13)])
+    else:
+        net.fit(train, epochs=2, listeners=[_SaveAt(ckpt, 13)])
+    resumed = dl4py.load(ckpt)
+    assert (resumed.epoch_count, resumed.batch_in_epoch) == (1, 3)
+    resumed.fit(train, epochs=1)  # finishes the interrupted epoch
+    assert resumed.iteration_count == 20
+    for (name, a), b in zip(params(straight).items(), params(resumed).values()):
+        assert torch.equal(a, b), name
+
+
 def test_corrupt_or_truncated_model_file_is_a_clear_error(tmp_path, mnist):
     net = MultiLayerNetwork(small_cnn()).init()
     path = tmp_path / "m.dl4py"

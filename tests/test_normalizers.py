@@ -28,7 +28,7 @@ from dl4py import (
 )
 from dl4py.config import RunConfig
 from dl4py.errors import ConfigError, DataError, ModelFileError
-from dl4py.nn.serialization import load
+from dl4py.nn.loading import load
 from dl4py.runner import train_run
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -145,12 +146,11 @@ def test_listeners_run_in_the_coordinator_on_worker_0s_events(tmp_path):
     kinds = [record[1] for record in seen]
     epoch_events = ["epoch_start", *["iteration"] * ROUNDS, "epoch_end"]
     assert kinds == ["fit_start", *epoch_events, *epoch_events, "fit_end"]
-    # Worker 0's steps, numbered as when it ran the listeners: the batches of the epochs
-    # before, plus the round.
+    # One event a round, in the model's units: every worker's batches, the round's examples.
     iterations = [record[2:] for record in seen if record[1] == "iteration"]
     assert [(i, e) for i, e, _, _ in iterations] == [
-        (epoch * BATCHES + r + 1, epoch) for epoch in range(2) for r in range(ROUNDS)]
-    assert all(n == BATCH and torch.isfinite(torch.tensor(loss)) for _, _, loss, n in iterations)
+        (epoch * BATCHES + (r + 1) * WORKERS, epoch) for epoch in range(2) for r in range(ROUNDS)]
+    assert all(n == BATCH * WORKERS and torch.isfinite(torch.tensor(loss)) for _, _, loss, n in iterations)
     ends = [record[2:] for record in seen if record[1] == "epoch_end"]
     assert [summary for summary, _, _ in ends] == [s.to_dict() for s in summaries]
     assert [(s["epoch"], s["batches"], s["examples"], s["completed"]) for s, _, _ in ends] == [
@@ -237,8 +237,12 @@ def test_dl4py_train_with_workers_writes_its_run_directory_from_the_coordinator_
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hooks), str(ROOT / "src")]), "OMP_NUM_THREADS": "1",
            "DL4PY_TEST_WATCH": str(out), "DL4PY_TEST_WRITES": str(writes)}
     proc = subprocess.run([sys.executable, "-m", "dl4py", "train", str(config), "--workers", "2", "--output", str(out),
-                           "--no-progress"], env=env, capture_output=True, text=True, timeout=120)
+                           "--no-progress", "--set", "training.report_score_after_averaging=true"],
+                          env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # Worker 0's log records, shown by this process: a round's iterations are its two batches.
+    averaged = re.findall(r"^\[worker 0\] epoch (\d), round (\d), iteration (\d+): averaged score", proc.stderr, re.M)
+    assert averaged == [(str(e), str(r), str(10 * e + 2 * r)) for e in range(2) for r in range(1, 6)], proc.stderr[-3000:]
 
     writers = {int(line.split(" ", 1)[0]) for line in writes.read_text().splitlines()}
     assert writers == {proc_pid(writes, out / "config.yaml")}, "the run directory was written by more than one process"
@@ -246,7 +250,7 @@ def test_dl4py_train_with_workers_writes_its_run_directory_from_the_coordinator_
     assert expected <= {p.name for p in out.iterdir()}
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     iterations = [m["iteration"] for m in metrics if m["kind"] == "iteration"]
-    assert iterations == [1, 2, 3, 4, 5, 11, 12, 13, 14, 15]  # worker 0's rounds, as before
+    assert iterations == list(range(2, 21, 2))  # one record a round, counting both workers' batches
     assert [m["iteration"] for m in metrics if m["kind"] == "epoch"] == [10, 20]
     result = json.loads((out / "result.json").read_text())
     assert result["status"] == "completed" and (result["epochs"], result["iterations"]) == (2, 20)

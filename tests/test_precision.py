@@ -266,7 +266,9 @@ def test_compiled_step_equals_eager():
     try:
         compiled = MultiLayerNetwork(mlp())
         compiled.fit((x, y), epochs=3, batch_size=16)
-        assert type(compiled._compiled[1]).__name__ == "OptimizedModule"
+        from dl4py.train.step import forward_function
+
+        assert type(forward_function(compiled)).__name__ == "OptimizedModule"
     finally:
         env.update(compile="off")
     for a, b in zip(eager.module.parameters(), compiled.module.parameters()):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import dl4py
 from dl4py import ArrayDataSetIterator, DataError, MultiLayerNetwork, NetworkConfig
@@ -85,6 +86,12 @@ def _with(**changes):
     return make
 
 
+def _generators(state: bytes) -> bytes:
+    from safetensors.torch import save
+
+    return save({"cpu": torch.frombuffer(bytearray(state), dtype=torch.uint8)})
+
+
 def _meta(edit):
     return lambda raw: json.dumps(edit(json.loads(raw))).encode()
 
@@ -100,6 +107,13 @@ CORRUPT = {
     "garbage updater.json": _with(updater__json=b"{{{"),
     "missing updater tensors": _with(updater__safetensors=None),
     "garbage weights": _with(weights__safetensors=b"\x07" * 64),
+    # A mid-epoch checkpoint's dropout generator state (issue: exact mid-epoch resume).
+    "randomness without its entry": _with(meta__json=_meta(lambda m: {**m, "randomness": [0, 3, 0]})),
+    "randomness entry without a position": lambda entries: _zip(
+        {**entries, "randomness.safetensors": _generators(b"\x00" * 16)}),
+    "randomness not a generator state": lambda entries: _with(meta__json=_meta(
+        lambda m: {**m, "randomness": [0, 3, 0]}))({**entries, "randomness.safetensors": _generators(b"\x01" * 16)}),
+    "randomness position of the wrong shape": _with(meta__json=_meta(lambda m: {**m, "randomness": [0, -3]})),
     "not a zip": lambda entries: b"this is a text file, not a model\n",
     "truncated": lambda entries: _zip(entries)[: len(_zip(entries)) // 2],
     "directory": None,  # made in the test

@@ -116,7 +116,7 @@ def iterations_logged(metrics: Path) -> int:
 
 
 def checkpoint_counters(path: Path) -> tuple[int, int, int]:
-    from dl4py.nn.serialization import load
+    from dl4py.nn.loading import load
 
     model = load(path, backend="cpu")
     return model.epoch_count, model.iteration_count, model.batch_in_epoch

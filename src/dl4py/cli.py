@@ -3,6 +3,7 @@
     dl4py train CONFIG.yaml [--epochs N] [--batch-size N] [--backend auto|cpu|gpu]
                             [--precision P] [--workers N] [--averaging-frequency K]
                             [--training-mode averaging|shared_gradients]
+                            [--launcher spawn|torchrun|spark] [--spark-master URL]
                             [--output DIR] [--resume] [--set key=value ...]
     dl4py evaluate MODEL [--config CONFIG] [--limit N] [--backend B] [--precision P] [--json]
     dl4py summary CONFIG
@@ -45,6 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--workers", type=int, help="training.workers: > 1 trains data-parallel with a ParallelWrapper")
     train.add_argument("--averaging-frequency", type=int, help="training.averaging_frequency (rounds between averages)")
     train.add_argument("--training-mode", help="training.training_mode: averaging or shared_gradients")
+    train.add_argument("--launcher", choices=["spawn", "torchrun", "spark"],
+                       help="who starts the workers: spawn (here; the default), torchrun (this process is one "
+                            "of torchrun's; the default under it) or spark (Spark tasks; needs dl4py[spark])")
+    train.add_argument("--spark-master", metavar="URL",
+                       help="with --launcher spark: the Spark master (default local[WORKERS])")
     train.add_argument("--output", type=Path, help="run directory (default: runs/<config>-<time>)")
     train.add_argument("--resume", action="store_true", help="continue the run in --output from its checkpoint")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -171,11 +177,13 @@ def _train(args) -> int:
     try:
         result = train_run(
             config, output=args.output, resume=args.resume, config_name=args.config.stem,
-            progress=False if args.no_progress else None,
+            progress=False if args.no_progress else None, launcher=args.launcher, spark_master=args.spark_master,
         )
     except TrainingInterrupted as exc:
         print(f"dl4py train: {exc}", file=sys.stderr)
         return 130
+    if os.environ.get("RANK", "0") != "0" and result.get("launcher") == "torchrun":
+        return 0  # rank 0 tells of the run it wrote
     accuracy = result.get("test_accuracy")
     print(json.dumps({k: result[k] for k in ("run_dir", "test_accuracy", "epochs", "train_samples_per_second", "wall_seconds")}))
     if accuracy is not None:

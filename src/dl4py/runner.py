@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import math
 import platform
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,8 +24,9 @@ from dl4py.config.run import DataConfig, RunConfig
 from dl4py.data.from_config import make_iterators, make_validation
 from dl4py.errors import ConfigError, TrainingError
 from dl4py.io import atomic_write_json, atomic_write_text
+from dl4py.launchers import choose_launcher, fit_on_spark
 from dl4py.nn.network import MultiLayerNetwork
-from dl4py.nn.serialization import load
+from dl4py.nn.loading import load
 from dl4py.resume import check_resume
 from dl4py.run_dir import CHECKPOINT, MODEL, RunRecord, prepare_run_dir, remove_new_run, saved_files
 from dl4py.train.listeners import (
@@ -86,23 +89,51 @@ def train_run(
     resume: bool = False,
     config_name: str = "run",
     progress: bool | None = None,
+    launcher: str | None = None,
+    spark_master: str | None = None,
 ) -> dict:
     """Train as ``config`` says, record everything in the run directory, return ``result.json``'s content.
 
     The run directory is locked for the whole run (one writer). However the run ends,
     it says so: ``result.json`` has ``status`` completed, interrupted or failed (with the
     reason and what was saved); a run that fails before training starts leaves no
-    directory behind that it created."""
+    directory behind that it created. ``launcher``: who starts the ranks of a parallel
+    run, ``spawn``, ``torchrun`` or ``spark`` (on ``spark_master``); see ``launchers.py``."""
+    launch, config = choose_launcher(launcher, spark_master, config)
+    if launch.rank != 0:
+        return _train_beside_rank0(config, output, resume, config_name, launch)
+    return _train_run(config, output, resume, config_name, progress, launch)
+
+
+def _train_beside_rank0(config: RunConfig, output, resume: bool, config_name: str, launch) -> dict:
+    """A torchrun rank other than 0 trains as every rank does, in a private folder removed
+    afterwards: rank 0 alone writes the run directory. Resuming, it starts from rank 0's
+    checkpoint, so the run directory must be on a file system every node reads."""
+    with tempfile.TemporaryDirectory(prefix=f"dl4py-rank{launch.rank}-") as tmp:
+        private = Path(tmp) / "run"
+        if resume:
+            if output is None or not (Path(output) / CHECKPOINT).is_file():
+                raise ConfigError("--resume", f"rank {launch.rank} cannot read {Path(output or '.') / CHECKPOINT}: "
+                                              "under torchrun, resume with the run directory on a file system "
+                                              "every node reads")
+            private.mkdir()
+            for name in (CHECKPOINT, "config.yaml"):
+                if (Path(output) / name).is_file():
+                    shutil.copy2(Path(output) / name, private / name)
+        return _train_run(config, private, resume, config_name, False, launch)
+
+
+def _train_run(config: RunConfig, output, resume: bool, config_name: str, progress, launch) -> dict:
     started = time.perf_counter()
     run_dir, lock, created = prepare_run_dir(output, resume, config_name)
     record = RunRecord(run_dir, config, started)
     try:
-        return _train_locked(config, run_dir, resume, progress, record)
+        return _train_locked(config, run_dir, resume, progress, record, launch)
     except TrainingInterrupted:
         raise  # its result.json is written where it was caught
     except BaseException as exc:
         if record.training_started:
-            record.failed(exc, _known_fields(record))
+            record.failed(exc, {"launcher": launch.name, **_known_fields(record)})
         elif not resume:
             remove_new_run(run_dir, created)
         raise
@@ -110,7 +141,7 @@ def train_run(
         lock.release()
 
 
-def _train_locked(config: RunConfig, run_dir: Path, resume: bool, progress, record: RunRecord) -> dict:
+def _train_locked(config: RunConfig, run_dir: Path, resume: bool, progress, record: RunRecord, launch) -> dict:
     environment().update_from_config(config.environment)  # the config names what it sets
     network = config.network
     model = MultiLayerNetwork(network, backend=config.training.backend, precision=config.training.precision)
@@ -141,12 +172,12 @@ def _train_locked(config: RunConfig, run_dir: Path, resume: bool, progress, reco
     if progress if progress is not None else sys.stderr.isatty():
         listeners.append(ProgressBar(epochs_left, len(train)))
 
-    result = {"status": "running", "run_dir": str(run_dir)}
+    result = {"status": "running", "run_dir": str(run_dir), "launcher": launch.name}
     stopping = None
     record.training_started = True
     try:
         if config.training.early_stopping is None:
-            summaries = _fit(model, config.training, train, epochs_left, listeners, validation)
+            summaries = _fit(model, config.training, train, epochs_left, listeners, validation, launch)
         else:
             stopping = _fit_early_stopping(model, config, train, validation, test, run_dir, listeners)
             summaries = stopping.history or []
@@ -198,7 +229,7 @@ def _early_stopping_model(stopping, model):
         return stopping.best_model(backend=model.backend)
     if stopping.termination_reason == ERROR:
         raise TrainingError(f"early stopping ended in an error: {stopping.termination_details}")
-    last = None if model._last_score is None else float(model._last_score)
+    last = None if model.last_score is None else float(model.last_score)
     if last is not None and not math.isfinite(last):
         raise TrainingError(f"training stopped ({stopping.termination_details}) with a loss of {last} before any "
                             f"epoch was scored, so there is no best model; {_nan_remedy(model)}")
@@ -228,14 +259,17 @@ def _resolve_batch_size(config: RunConfig, model, train, resumed_dir: Path | Non
     return config.with_overrides([f"training.batch_size={batch}"])
 
 
-def _fit(model, training, train, epochs: int, listeners: list, validation):
-    if training.workers == 1:
+def _fit(model, training, train, epochs: int, listeners: list, validation, launch):
+    if training.workers == 1 and launch.name != "spark":
         return model.fit(train, epochs=epochs, listeners=listeners, validation=validation)
     if epochs == 0:
         return []
+    options, worker_listeners = _parallel_options(training, listeners)
+    if launch.name == "spark":  # this process is the driver: Spark tasks are the ranks
+        return fit_on_spark(launch, model, options, train, epochs, worker_listeners, validation,
+                            use_gpu=training.backend == "gpu")
     from dl4py.parallel import ParallelWrapper
 
-    options, worker_listeners = _parallel_options(training, listeners)
     return ParallelWrapper(model, **options).fit(train, epochs=epochs, listeners=worker_listeners,
                                                  validation=validation)
 
@@ -327,7 +361,7 @@ def result_fields(config: RunConfig, model, summaries, evaluation, started: floa
     fields = {
         "epochs": model.epoch_count,
         "iterations": model.iteration_count,
-        "final_score": None if model._last_score is None else float(model._last_score),
+        "final_score": None if model.last_score is None else float(model.last_score),
         "train_samples_per_second": examples / seconds if seconds > 0 else None,
         "wall_seconds": time.perf_counter() - started,
         "backend": model.backend.name,

@@ -210,25 +210,27 @@ class TrainingConfig(ConfigBase):
     early_stopping: Optional[EarlyStoppingSection] = None
 
     def validate(self, where: str) -> None:
-        for name in ("epochs", "batch_size", "workers"):
+        for name in ("epochs", "batch_size"):
             value = getattr(self, name)
             if value != "auto" and value <= 0:
                 raise ConfigError(join(where, name), f"must be positive, got {value}")
         if self.score_every < 0:
             raise ConfigError(join(where, "score_every"), f"must be zero or more, got {self.score_every}")
-        if self.prefetch_buffer < 0:
-            raise ConfigError(join(where, "prefetch_buffer"), f"must be zero or more, got {self.prefetch_buffer}")
-        if self.averaging_frequency is not None and self.averaging_frequency <= 0:
-            raise ConfigError(join(where, "averaging_frequency"), f"must be positive, got {self.averaging_frequency}")
         if self.workers == 1:  # options of the parallel trainer must not be silently ignored
             for name, inert in (("training_mode", "averaging"), ("averaging_frequency", None),
                                 ("report_score_after_averaging", False)):
                 if getattr(self, name) != inert:
                     raise ConfigError(join(where, name), "applies to parallel training only: set training.workers > 1")
-        if self.training_mode == "shared_gradients":
-            for name, inert in (("averaging_frequency", None), ("report_score_after_averaging", False)):
-                if getattr(self, name) != inert:
-                    raise ConfigError(join(where, name), "applies to training_mode 'averaging' only")
+        self.parallel_options().validate(where)  # the ParallelWrapper's own checks, under this section's keys
+
+    def parallel_options(self):
+        """The ParallelWrapper's options this section sets (its defaults for the rest)."""
+        from dl4py.parallel.options import ParallelOptions
+
+        return ParallelOptions(workers=self.workers, prefetch_buffer=self.prefetch_buffer,
+                               averaging_frequency=self.averaging_frequency,
+                               report_score_after_averaging=self.report_score_after_averaging,
+                               training_mode=self.training_mode)
 
 
 @dataclass(frozen=True)

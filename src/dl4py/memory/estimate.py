@@ -227,7 +227,8 @@ def _forward(ops: list[Op], n: int, sizes: _Sizes, t: Timeline) -> dict[int, int
     for j, op in enumerate(ops):
         phase = f"forward, layer {op.layer} ({op.name})"
         if sizes.autocast and op.autocast:  # 16-bit copies of its parameters, and of a float input
-            t.alloc("activations", op.param_elements * act, phase)
+            for elements, _ in _autocast_copies(ops, j):
+                t.alloc("activations", elements * act, phase)
             if j == 0:
                 t.alloc("activations", n * sizes.input_elements * act, phase)
         out = t.alloc("activations", n * op.out_elements * act, phase)
@@ -235,6 +236,11 @@ def _forward(ops: list[Op], n: int, sizes: _Sizes, t: Timeline) -> dict[int, int
         saved[op.layer] = saved.get(op.layer, 0) + out * _kept(ops, j) + t.size(n * op.extra_bytes + op.extra_fixed_bytes)
         if j > 0 and not _kept(ops, j - 1):  # its input is no longer needed by anyone
             t.free("activations", n * ops[j - 1].out_elements * act)
+    if sizes.autocast:  # leaving autocast frees the parameter copies autograd did not save
+        for j in range(len(ops)):
+            for elements, kept in _autocast_copies(ops, j):
+                if not kept:
+                    t.free("activations", elements * act)
     # The loss: scores (kept by the step), a float32 copy of 16-bit scores, log-softmax.
     loss = n * sizes.classes * (act + (4 if act < 4 else 0) + 4)
     t.alloc("activations", loss, "forward, loss")
@@ -247,6 +253,21 @@ def _kept(ops: list[Op], j: int) -> bool:
     if j == len(ops) - 1:
         return True  # the scores: the training step holds them
     return ops[j].saves_result or ops[j + 1].saves_input
+
+
+def _autocast_copies(ops: list[Op], j: int) -> list[tuple[int, bool]]:
+    """Op j's 16-bit parameter copies under autocast: (elements, saved for backward) each.
+
+    Autocast caches the copies until the forward pass ends; then only those autograd saved
+    live on. A convolution saves its weight (one derivative formula for all its inputs); a
+    matrix product saves its weight only when its input needs a gradient, that is when an
+    earlier op has parameters (the first dense layer's does not: its input is the batch).
+    No op saves its bias."""
+    op = ops[j]
+    if not op.autocast:
+        return []
+    weight_saved = op.name == "conv2d" or any(earlier.params for earlier in ops[:j])
+    return [(elements, i == 0 and weight_saved) for i, (elements, _) in enumerate(op.params)]
 
 
 def _backward(ops: list[Op], n: int, sizes: _Sizes, t: Timeline) -> None:
@@ -263,7 +284,11 @@ def _backward(ops: list[Op], n: int, sizes: _Sizes, t: Timeline) -> None:
         t.alloc("workspace", grad_in, phase)
         cast = sizes.autocast and op.autocast and op.params
         # The parameters' gradients: under autocast, first in 16 bits (for the cast copy).
-        t.alloc("workspace" if cast else "gradients", op.param_elements * (act if cast else sizes.param), phase)
+        if cast:
+            for elements, _ in op.params:
+                t.alloc("workspace", elements * act, phase)
+        else:
+            t.alloc("gradients", op.param_elements * sizes.param, phase)
         # The node is done: it frees what it saved, and the gradient it consumed.
         t.free("workspace", grad_out)
         t.free("activations", n * op.extra_bytes + op.extra_fixed_bytes)
@@ -272,12 +297,15 @@ def _backward(ops: list[Op], n: int, sizes: _Sizes, t: Timeline) -> None:
         if j > 0 and op.saves_input and not ops[j - 1].saves_result:
             t.free("activations", n * ops[j - 1].out_elements * act)
         if sizes.autocast and op.autocast:
-            t.free("activations", op.param_elements * act)  # its 16-bit parameter copies
+            for elements, kept in _autocast_copies(ops, j):  # its 16-bit parameter copies
+                if kept:
+                    t.free("activations", elements * act)
             if j == 0:
                 t.free("activations", n * sizes.input_elements * act)  # and of the float input
-        if cast:  # the cast's backward: the float32 gradient of each parameter
-            t.alloc("gradients", op.param_elements * sizes.param, phase)
-            t.free("workspace", op.param_elements * act)
+        if cast:  # the cast's backward: each parameter's float32 gradient, one after the other
+            for elements, _ in op.params:
+                t.alloc("gradients", elements * sizes.param, phase)
+                t.free("workspace", elements * act)
         grad_out = t.size(grad_in)
     t.free("workspace", grad_out)
 

@@ -2,7 +2,7 @@
 
 from dl4py.nn.model import Model
 from dl4py.nn.network import MultiLayerNetwork
-from dl4py.nn.serialization import load
+from dl4py.nn.loading import load
 from dl4py.nn.torch_model import TorchModel
 
 __all__ = ["Model", "MultiLayerNetwork", "TorchModel", "load"]

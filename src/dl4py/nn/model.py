@@ -47,10 +47,13 @@ class Model:
         self.batch_in_epoch = 0  # batches done in the current, unfinished epoch
         self._last_score: torch.Tensor | None = None
         self._stop_reason: str | None = None
-        self._train_step = None
-        self._compiled = None  # (settings, torch.compile'd module) when the environment asks
+        self._train_step = None  # made at the first train_step, for this model's state
+        self._gradient_hook = None  # share_gradients: runs between backward and update
+        self._epoch_randomness = None  # train.epoch.EpochRandomness of the epoch in progress
+        self._saved_randomness = None  # its generators' state where an unfinished epoch stopped
         self._channels_last = False  # convolutions in NHWC (environment setting channels_last)
-        self._device_data = None  # DeviceDataSetIterator: fit keeps the device copy between calls
+        # The data set copy on the device that fit keeps between calls (DeviceDataSetIterator).
+        self.device_data = None
 
     @property
     def update_count(self) -> int:
@@ -77,10 +80,17 @@ class Model:
         # are rebuilt there on the worker's device (weights follow in a saved model file).
         self.update_count  # pending device counts become a number that pickles anywhere
         state = dict(self.__dict__)
-        for name in ("module", "optimizer", "master", "scaler", "_train_step", "_compiled", "backend",
-                     "precision", "_device_data"):
+        for name in ("module", "optimizer", "master", "scaler", "_train_step", "_gradient_hook", "backend",
+                     "precision", "device_data", "_epoch_randomness"):
             state[name] = None
         return state
+
+    def place(self, backend: str | Backend | None, precision: str | Precision | None) -> None:
+        """Choose, before ``init``, the backend and precision the model is built for (a
+        parallel worker builds its replica on its own device)."""
+        if self.module is not None:
+            raise RuntimeError("place(): the model is already built; call it before init()")
+        self._requested_backend, self._requested_precision = backend, precision
 
     # ---- hooks for subclasses ---------------------------------------------------------
     def _build(self, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -201,9 +211,60 @@ class Model:
         return fit(self, iterator, epochs, list(listeners), validation=validation,
                    metrics=None if metrics is None else list(metrics))
 
+    # ---- what trainers use (the single-device loop, parallel workers) ----------------------
+    def train_step(self, features: torch.Tensor | None, labels: torch.Tensor | None) -> torch.Tensor | None:
+        """One minibatch forward, backward and update (``dl4py.train.step``), on prepared
+        inputs (``prepare_batch``). Returns the loss, detached and on the device: reading it
+        is the caller's choice, so a step never waits for the GPU. ``(None, None)``: a
+        parallel worker without a batch this round applies the shared update only."""
+        if self._train_step is None:
+            from dl4py.train.step import make_train_step
+
+            self._train_step = make_train_step(self, gradient_hook=self._gradient_hook)
+        loss = self._train_step(features, labels)
+        if loss is not None:
+            self._last_score = loss
+        return loss
+
+    def share_gradients(self, hook) -> None:
+        """Run ``hook(took_part)`` between backward and update in every step from now on (a
+        parallel trainer averages the gradients there); None removes it."""
+        self._gradient_hook = hook
+        self._train_step = None
+
+    @property
+    def last_score(self) -> torch.Tensor | None:
+        """The loss of the last training minibatch (or the workers' averaged loss), a tensor
+        that may still be on the device; None before any training."""
+        return self._last_score
+
+    def set_score(self, score) -> None:
+        """Replace the last score (a parallel trainer's average over its workers)."""
+        self._last_score = None if score is None else torch.as_tensor(score)
+
     def request_stop(self, reason: str) -> None:
         """Ask the running ``fit`` to stop after the current step (used by early stopping)."""
         self._stop_reason = reason
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why a stop was requested during the running fit, or None."""
+        return self._stop_reason
+
+    def clear_stop_request(self) -> None:
+        self._stop_reason = None
+
+    def randomness_state(self) -> dict | None:
+        """The state of the generators dropout draws from, at the model's position in an
+        unfinished epoch (None at an epoch boundary, where (seed, epoch) decide it): what a
+        checkpoint keeps so that a run resumed mid-epoch draws the masks it would have."""
+        live = self.__dict__.get("_epoch_randomness")
+        if live is not None and self.batch_in_epoch > 0:
+            return live.snapshot()
+        return self.__dict__.get("_saved_randomness") if self.batch_in_epoch > 0 else None
+
+    def set_randomness_state(self, state: dict | None) -> None:
+        self._saved_randomness = state
 
     def score(self, data=None, *, batch_size: int | None = None, label=None, features=None) -> float:
         """Loss of the last training minibatch (DL4J's ``score()``), or mean loss on ``data``."""
@@ -214,7 +275,7 @@ class Model:
         total, count = 0.0, 0
         with self._inference():
             for batch in as_iterator(data, batch_size, label=label, features=features):
-                x, y = self._prepare(batch)
+                x, y = self.prepare_batch(batch)
                 with self.precision.forward_context(self.backend.device):
                     total += float(self.loss(self.module(x), y)) * x.shape[0]
                 count += x.shape[0]
@@ -232,7 +293,7 @@ class Model:
         outs = []
         with self._inference():
             for start in range(0, x.shape[0], batch_size):
-                chunk = self._convert_input(x[start : start + batch_size].to(self.backend.device))
+                chunk = self.prepare_input(x[start : start + batch_size].to(self.backend.device))
                 with self.precision.forward_context(self.backend.device):
                     outs.append(self.activate(self.module(chunk)))
         return torch.cat(outs) if outs else torch.empty(0, device=self.backend.device)  # where outputs live
@@ -276,7 +337,7 @@ class Model:
         total = torch.zeros((), dtype=torch.float64, device=self.device)  # read once, at the end
         with self._inference():
             for batch in as_iterator(data, batch_size, label=label, features=features):
-                x, y = self._prepare(batch)
+                x, y = self.prepare_batch(batch)
                 with self.precision.forward_context(self.backend.device):
                     outputs = self.module(x)
                     predictions = self.activate(outputs)
@@ -303,15 +364,16 @@ class Model:
         self.normalizer = normalizer
         return self
 
-    def _prepare(self, batch: DataSet) -> tuple[torch.Tensor, torch.Tensor]:
+    def prepare_batch(self, batch: DataSet) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch's features and labels on the model's device, features as ``prepare_input``."""
         device = self.backend.device
         # Asynchronous only towards a GPU, where the stream orders the copy before its use;
         # a GPU-to-CPU copy would be read by the CPU before it lands.
         non_blocking = device.type == "cuda"
-        x = self._convert_input(batch.features.to(device, non_blocking=non_blocking))
+        x = self.prepare_input(batch.features.to(device, non_blocking=non_blocking))
         return x, batch.labels.to(device, non_blocking=non_blocking)
 
-    def _convert_input(self, x: torch.Tensor) -> torch.Tensor:
+    def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
         """Raw features on the device -> normalized, in the precision's dtype and the module's
         memory format. Every input path (training steps, parallel workers, output) comes here."""
         if self.normalizer is not None:  # before the dtype cast: normalized in float32, not fp16

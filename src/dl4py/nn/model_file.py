@@ -28,7 +28,8 @@ FORMAT_VERSION = 1
 KINDS = ("multilayer", "torch_module")
 JSON_LIMIT = 16 * 2**20  # far above any real meta/config/updater JSON; far below a bomb
 _JSON_ENTRIES = ("meta.json", "config.json", "updater.json", "normalizer.json")
-_TENSOR_ENTRIES = ("weights.safetensors", "master.safetensors", "updater.safetensors", "normalizer.safetensors")
+_TENSOR_ENTRIES = ("weights.safetensors", "master.safetensors", "updater.safetensors", "normalizer.safetensors",
+                   "randomness.safetensors")
 _COUNTERS = ("epoch_count", "iteration_count", "batch_in_epoch", "update_count")
 # safetensors' parser does not document which errors it raises for a bad header or dtype.
 _TENSOR_ERRORS = (SafetensorError, ValueError, TypeError, KeyError, RuntimeError, OverflowError)
@@ -38,7 +39,8 @@ _TENSOR_ERRORS = (SafetensorError, ValueError, TypeError, KeyError, RuntimeError
 class ModelFile:
     """The checked content of a model file. ``updater`` is the optimizer state dict ready for
     ``load_state_dict`` (None when the file has none, or the caller skips it); ``normalizer``
-    the model's fitted Normalizer (None when it has none)."""
+    the model's fitted Normalizer (None when it has none); ``randomness`` the generators' state
+    of a model saved part-way through an epoch (``Model.randomness_state``), else None."""
 
     path: str  # for messages: the file's path, or "<model bytes>"
     meta: dict[str, Any]
@@ -47,6 +49,7 @@ class ModelFile:
     masters: dict[str, torch.Tensor] | None
     updater: dict | None
     normalizer: Any = None
+    randomness: dict | None = None
 
 
 def read_model_file(source) -> ModelFile:
@@ -69,7 +72,8 @@ def read_model_file(source) -> ModelFile:
             _json(entries, "updater.json", fail), _tensors(entries, "updater.safetensors", fail), fail
         )
     normalizer = _normalizer(entries, meta["has_normalizer"], fail)
-    return ModelFile(label, meta, config, weights, masters, updater, normalizer)
+    randomness = _randomness(entries, meta.get("randomness"), fail)
+    return ModelFile(label, meta, config, weights, masters, updater, normalizer, randomness)
 
 
 # ---- the zip ------------------------------------------------------------------------------
@@ -208,6 +212,27 @@ def _normalizer(entries: dict[str, bytes], wanted: bool, fail):
         return normalizer_from_state(settings, stats)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise fail(f"normalizer.json/normalizer.safetensors: {exc}") from None
+
+
+def _randomness(entries: dict[str, bytes], position: Any, fail) -> dict | None:
+    """meta.json's ``randomness`` ([epoch, batch, stream]) + randomness.safetensors (byte
+    tensors of torch's generator states) -> ``Model.randomness_state``'s dict, or None."""
+    if position is None:
+        if "randomness.safetensors" in entries:
+            raise fail("entry randomness.safetensors is present but meta.json names no randomness position")
+        return None
+    if not (isinstance(position, list) and len(position) == 3 and all(_is_int(v) and v >= 0 for v in position)):
+        raise fail(f"meta.json: randomness must be [epoch, batch, stream] of integers >= 0, got {position!r}")
+    generators = _tensors(entries, "randomness.safetensors", fail)
+    if "cpu" not in generators or set(generators) - {"cpu", "cuda"}:
+        raise fail(f"randomness.safetensors must hold 'cpu' (and 'cuda'), got {sorted(generators)}")
+    if any(t.dtype != torch.uint8 or t.dim() != 1 for t in generators.values()):
+        raise fail("randomness.safetensors: generator states must be 1-D uint8 tensors")
+    try:
+        torch.Generator().set_state(generators["cpu"])
+    except RuntimeError as exc:
+        raise fail(f"randomness.safetensors: 'cpu' is not a generator state ({exc})") from None
+    return {"position": tuple(position), **generators}
 
 
 def _optimizer_state(state_json: Any, tensors: dict[str, torch.Tensor], fail) -> dict:

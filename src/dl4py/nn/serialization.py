@@ -6,7 +6,9 @@ Entries: ``meta.json`` (format, kind, counters, precision, versions), ``config.j
 master weights of ``half``/``bfloat16`` models), and when asked ``updater.json`` +
 ``updater.safetensors`` (the optimizer's state; the loss scaler's state is in meta.json), and
 for a model with a normalizer ``normalizer.json`` + ``normalizer.safetensors`` (its kind,
-settings and float64 statistics: a loaded model normalizes as the saved one). The file is written to a
+settings and float64 statistics: a loaded model normalizes as the saved one), and for a
+model saved part-way through an epoch ``randomness.safetensors`` (the state of the
+generators dropout draws from there, so a resumed run draws the same masks). The file is written to a
 temporary name and renamed, so a crash mid-save leaves the previous file intact. Reading is
 ``model_file.read_model_file``: every entry checked, every defect one error naming the file.
 """
@@ -47,11 +49,14 @@ def model_bytes(model, save_updater: bool = True) -> bytes:
         "batch_in_epoch": model.batch_in_epoch,
         "update_count": model.update_count,
         "scaler": None if model.scaler is None else model.scaler.state_dict(),
-        "score": None if model._last_score is None else float(model._last_score),
+        "score": None if model.last_score is None else float(model.last_score),
         "module_class": f"{type(model.module).__module__}.{type(model.module).__qualname__}",
         "has_updater": save_updater,
         "has_normalizer": model.normalizer is not None,
     }
+    randomness = model.randomness_state()
+    if randomness is not None:
+        meta["randomness"] = list(randomness["position"])  # [epoch, batch, stream]
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_STORED) as zf:
         zf.writestr("meta.json", json.dumps(meta, indent=2))
@@ -68,41 +73,20 @@ def model_bytes(model, save_updater: bool = True) -> bytes:
             settings, stats = model.normalizer.state()
             zf.writestr("normalizer.json", json.dumps(settings))
             zf.writestr("normalizer.safetensors", st_save(_cpu_tensors(stats)))
+        if randomness is not None:
+            generators = {name: randomness[name] for name in ("cpu", "cuda") if name in randomness}
+            zf.writestr("randomness.safetensors", st_save(_cpu_tensors(generators)))
     return buffer.getvalue()
-
-
-def load(path, into=None, backend=None, precision=None):
-    """Restore a saved model (a path, or the bytes of a model file). A MultiLayerNetwork is
-    rebuilt from its config; a TorchModel's weights are loaded ``into`` a TorchModel you
-    construct with the same module class."""
-    from dl4py.nn.network import MultiLayerNetwork
-
-    saved = read_model_file(path)
-    meta = saved.meta
-    if meta["kind"] == "multilayer":
-        if into is not None:
-            raise ValueError(f"{saved.path} holds a MultiLayerNetwork; it is rebuilt from its config, drop into=")
-        model = MultiLayerNetwork(saved.config, backend=backend, precision=precision or meta["precision"])
-    else:
-        if into is None:
-            raise DataError(
-                f"{saved.path} holds the weights of a plain torch module ({meta['module_class']}); rebuild it "
-                "and pass it: dl4py.load(path, into=TorchModel(MyModule(), loss, optimizer))"
-            )
-        model = into
-    model.init()
-    _restore(model, saved)
-    return model
 
 
 def restore_state(model, path) -> None:
     """Load a saved model's weights, updater state and counters into ``model`` (same architecture)."""
     saved = read_model_file(path)
     model.init()
-    _restore(model, saved)
+    restore_saved(model, saved)
 
 
-def _restore(model, saved: ModelFile) -> None:
+def restore_saved(model, saved: ModelFile) -> None:
     # The file is well formed (read_model_file checked it); what can still fail is its fit
     # to this model: names, shapes and optimizer groups.
     meta, path = saved.meta, saved.path
@@ -137,7 +121,8 @@ def _restore(model, saved: ModelFile) -> None:
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             raise DataError(f"{path}: the saved loss scaler state is not usable: {exc!r}") from None
     if meta.get("score") is not None:
-        model._last_score = torch.tensor(meta["score"])
+        model.set_score(meta["score"])
+    model.set_randomness_state(saved.randomness)
 
 
 @torch.no_grad()

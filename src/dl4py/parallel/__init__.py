@@ -2,6 +2,8 @@
 
 from dl4py.errors import WorkerError
 from dl4py.parallel.early_stopping import EarlyStoppingParallelTrainer
-from dl4py.parallel.wrapper import ParallelWrapper, launched_by_torchrun
+from dl4py.parallel.launched import launched_by_torchrun
+from dl4py.parallel.options import ParallelOptions
+from dl4py.parallel.wrapper import ParallelWrapper
 
-__all__ = ["EarlyStoppingParallelTrainer", "ParallelWrapper", "WorkerError", "launched_by_torchrun"]
+__all__ = ["EarlyStoppingParallelTrainer", "ParallelOptions", "ParallelWrapper", "WorkerError", "launched_by_torchrun"]

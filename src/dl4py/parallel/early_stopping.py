@@ -5,8 +5,9 @@ iteration conditions (time, NaN) after each round and all stop in the same round
 fires; after each epoch the coordinating process (rank 0 under torchrun) scores the
 averaged model, saves the best (and latest) one and asks the epoch conditions, and every
 worker follows its decision: only that process writes the saver's files. Unlike DL4J's,
-the trainer can be used again: each ``fit`` starts fresh workers. The best model is
-chosen the right way round for maximised scores (DL4J compared with ``<``).
+the trainer can be used again: each ``fit`` reuses its wrapper's workers, which end with
+``close()`` (or ``with``, or the end of the program). The best model is chosen the right
+way round for maximised scores (DL4J compared with ``<``).
 """
 
 from __future__ import annotations
@@ -43,5 +44,16 @@ class EarlyStoppingParallelTrainer:
             log.error("early stopping: parallel training failed: %s", exc)
             return controller.result(ERROR, f"{type(exc).__name__}: {exc}")
         # The controller decided in this process (under torchrun: on rank 0 only).
-        kind, details = self.wrapper.last_report["stop"]
+        kind, details = self.wrapper.last_report.stop
         return controller.result(kind, details, History(summaries))
+
+    def close(self) -> None:
+        """End the wrapper's worker processes."""
+        self.wrapper.close()
+
+    def __enter__(self) -> "EarlyStoppingParallelTrainer":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False

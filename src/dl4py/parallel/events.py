@@ -7,14 +7,20 @@ need (``EventRelay``) and the coordinator replays it on its model (``EventReplay
 
 - steps, as ``Iterations`` batches: worker 0 keeps the loss tensors and reads them all at
   once at most every ``FLUSH_SECONDS`` (and at each epoch's end), so relaying adds no
-  wait for the device per step;
+  wait for the device per step. One step is one round, numbered in the model's units:
+  ``iteration`` counts the batches of every worker (2, 4, 6, ... with two workers);
 - each epoch's end, with worker 0's averaged replica as bytes: the coordinator loads it
   into its model before ``on_epoch_end``, so a listener that saves ``model`` saves that
   state, and under early stopping scores it and sends the decision back to worker 0,
   which passes it on to the other workers.
 
+Every worker's "dl4py" log records go the same way (``LogRelay``), at the level the
+coordinator's "dl4py" logger had when the fit began, and are logged there under the
+worker's rank: "[worker 0] ...".
+
 During an epoch the coordinator's model holds the state of the last epoch end.
-Under torchrun there is no coordinator: rank 0 runs the listeners itself.
+Under torchrun there is no coordinator: rank 0 runs the listeners itself, and each rank
+logs to its own handlers.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import torch
 
 from dl4py.errors import TrainingError
 from dl4py.nn.serialization import model_bytes, restore_state
-from dl4py.parallel.messages import Decision, EpochEnded, EpochStarted, Iterations
+from dl4py.parallel.messages import Decision, EpochEnded, EpochStarted, Iterations, LogRecord
 from dl4py.train.listeners import TrainingListener
 
 log = logging.getLogger("dl4py")
@@ -88,7 +94,8 @@ class EventRelay(TrainingListener):
 
 class EventReplay:
     """The coordinator's side: runs the fit's ``listeners`` and the early-stopping
-    ``controller`` on worker 0's events, with ``model`` (the user's) as their model."""
+    ``controller`` on worker 0's events, with ``model`` (the user's) as their model, and
+    logs every worker's records."""
 
     def __init__(self, model, listeners, controller=None):
         self.model, self.listeners, self.controller = model, list(listeners), controller
@@ -125,8 +132,11 @@ class EventReplay:
                 epoch = message.summary.epoch
                 # Always answered, even while stopping: worker 0 may already be waiting.
                 self.decisions.put(Decision(epoch, self.controller.end_of_epoch(self.model, epoch)))
+        elif isinstance(message, LogRecord):
+            logging.getLogger(message.name).log(message.levelno, "[worker %d] %s", message.rank, message.message,
+                                                extra={"worker": message.rank})
         else:
-            raise TrainingError(f"the coordinator got a message it does not know from worker 0: {message!r}")
+            raise TrainingError(f"the coordinator got a message it does not know from a worker: {message!r}")
 
     def fit_end(self, interrupted: bool) -> None:
         for listener in self.listeners:
@@ -142,3 +152,30 @@ class EventReplay:
                 log.exception("%s.on_fit_end failed after the parallel fit failed", type(listener).__name__)
         if self.model_changed:
             restore_state(self.model, before)
+
+
+class LogRelay(logging.Handler):
+    """A spawned worker's handler for its "dl4py" logger: each record goes to the
+    coordinator as a ``LogRecord``, its message (and traceback) formatted here. The queue is
+    unbounded and ``put_nowait`` never waits, so logging cannot hold a worker up."""
+
+    def __init__(self, messages, rank: int, level: int):
+        super().__init__(level)
+        self.messages, self.rank = messages, rank
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.messages.put_nowait(LogRecord(self.rank, record.levelno, record.name, self.format(record)))
+        except Exception:  # a closed queue (the worker is failing): logging's own report, on stderr
+            self.handleError(record)
+
+
+def relay_logs(messages, rank: int, level: int) -> None:
+    """Send this worker's "dl4py" records of ``level`` and above to the coordinator, and
+    nowhere else: the coordinator's handlers decide where they are shown. Called again (a
+    worker that lives on for the next fit), it replaces the relay it set up before."""
+    logger = logging.getLogger("dl4py")
+    logger.setLevel(level)  # a record below it is not even made, let alone sent
+    logger.handlers[:] = [h for h in logger.handlers if not isinstance(h, LogRelay)]
+    logger.addHandler(LogRelay(messages, rank, level))
+    logger.propagate = False

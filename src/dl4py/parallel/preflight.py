@@ -1,6 +1,6 @@
-"""What the ParallelWrapper checks and prepares before any worker starts: devices, the
-worker count against the data and the machine, where the workers read their batches, and
-what must travel to them by pickle."""
+"""What the ParallelWrapper checks and prepares before any worker starts: the worker count
+against the data and the machine, where the workers read their batches, what must travel
+to them by pickle, and the process group's transport."""
 
 from __future__ import annotations
 
@@ -16,21 +16,6 @@ from dl4py.parallel.sources import ShardedSource, StreamShardSource, batches_per
 # More CPU workers than this many per core only thrash: each needs its own process, model
 # replica and memory, and they take turns on the cores.
 CPU_WORKERS_PER_CORE = 4
-
-
-def device_name(device, index: int) -> str:
-    """``cpu`` or ``cuda:N`` for an entry of ``devices``: a GPU index, a name or a torch.device."""
-    where = f"devices[{index}]"
-    try:
-        device = torch.device(f"cuda:{device}" if isinstance(device, int) and not isinstance(device, bool) else device)
-    except (RuntimeError, TypeError):
-        raise ConfigError(where, f"must be cpu, cuda:N or a GPU index, got {device!r}") from None
-    if device.type == "cuda" and device.index is None:
-        # Each worker pins itself to one GPU, and NCCL needs to know whether two share one.
-        raise ConfigError(where, "names no GPU: give its index, e.g. cuda:0 or 0")
-    if device.type not in ("cpu", "cuda"):
-        raise ConfigError(where, f"must be cpu, cuda:N or a GPU index, got {str(device)!r}")
-    return "cpu" if device.type == "cpu" else str(device)  # cpu:0 is the CPU too
 
 
 def private_copy(model) -> bytes:
@@ -90,7 +75,10 @@ def check_world(world: int, devices: list[str], iterator) -> None:
                                      f"({CPU_WORKERS_PER_CORE} per core)")
 
 
-def positive_int(value, name: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(name, f"must be a positive integer, got {value!r}")
-    return value
+def process_group_backend(devices: list[str], world: int) -> str:
+    """NCCL needs one process per GPU; CPU workers, or several workers sharing a GPU (the
+    seed recommends workers >= GPUs), communicate through gloo."""
+    gpus = [devices[r % len(devices)] for r in range(world)]
+    if all(d.startswith("cuda") for d in gpus) and len(set(gpus)) == world:
+        return "nccl"
+    return "gloo"

@@ -1,5 +1,6 @@
 """The ParallelWrapper's worker processes: reading their messages, telling a lost peer from
-a cause, and stopping them all, with nothing left behind and no Ctrl-C reaching them."""
+a cause, and stopping them all, with nothing left behind and no Ctrl-C reaching them.
+(The pool that keeps them from one fit to the next is ``pool.py``.)"""
 
 from __future__ import annotations
 
@@ -64,11 +65,18 @@ def children_ignore_stop_signals():
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
-def exit_description(exitcode: int) -> str:
+def exit_description(exitcode: int, starting: bool = False) -> str:
+    """How a worker ended; ``starting``: before it ran any of dl4py's code, which in a
+    spawned process means while importing the main script again."""
     if exitcode < 0:
         try:
             name = signal.Signals(-exitcode).name
         except ValueError:
             name = f"signal {-exitcode}"
-        return f"was killed by {name}"
-    return f"exited with code {exitcode} without reporting an error"
+        how = f"was killed by {name}"
+    else:
+        how = f"exited with code {exitcode}"
+    if starting:
+        return (f"{how} while starting, before it ran any of dl4py's code: its own error is printed above (a "
+                'script that trains at its top level needs `if __name__ == "__main__":` around that code)')
+    return how if exitcode < 0 else f"{how} without reporting an error"

@@ -5,7 +5,9 @@
   worker) and slices its own batches from the epoch's shuffle order: nothing per batch
   crosses a process boundary.
 - ``QueueSource``: any other iterator. The coordinating process iterates it and deals
-  batches round-robin into one bounded queue per worker.
+  batches round-robin into one bounded queue per worker. The queues serve every fit of
+  a worker pool, so each batch carries its fit's number: one a stopped fit dealt but
+  never read is skipped by the next.
 - ``StrideSource``: any other iterator under torchrun (no coordinator): every process
   iterates it and keeps every ``world``-th batch.
 - ``StreamShardSource``: a streamed source that can be sharded (``TableDirectoryIterator``):
@@ -110,28 +112,54 @@ class StrideSource:
 
 
 class QueueSource:
-    """Worker side of the coordinator's round-robin dealing."""
+    """Worker side of the coordinator's round-robin dealing, for fit number ``job``.
 
-    def __init__(self, inbox, stop_event, timeout: float):
+    ``close`` ends the fit's reading: a prefetch thread still waiting on the inbox (the
+    fit stopped mid-epoch) gives up and is joined, so it cannot take a batch of the next fit."""
+
+    def __init__(self, inbox, stop_event, timeout: float, job: int = 0):
         self.inbox = inbox
         self.stop_event = stop_event
         self.timeout = timeout
+        self.job = job
+        self._closed = threading.Event()
+        self._readers: set[threading.Thread] = set()
 
     def batches(self, epoch: int, rank: int, world: int, start: int = 0) -> Iterator[tuple[int, DataSet]]:
         round_index = 0  # the coordinator deals from ``start`` on
+        stopped = _EitherSet(self.stop_event, self._closed)
         while True:
-            item = get_bounded(self.inbox, self.stop_event, self.timeout, f"batches for worker {rank}")
+            self._readers.add(threading.current_thread())
+            job, item = get_bounded(self.inbox, stopped, self.timeout, f"batches for worker {rank}")
+            if job != self.job:
+                continue  # dealt for an earlier fit that stopped before reading it
             if isinstance(item, str) and item == END_OF_EPOCH:
                 return
             features, labels = item
             yield round_index, DataSet(features, labels)
             round_index += 1
 
+    def close(self) -> None:
+        self._closed.set()
+        for reader in self._readers - {threading.current_thread()}:
+            reader.join(timeout=POLL_SECONDS * 10)  # it looks at ``_closed`` every POLL_SECONDS
+
+
+class _EitherSet:
+    """Set when either event is (``get_bounded``'s ``stop_event``)."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def is_set(self) -> bool:
+        return (self.first is not None and self.first.is_set()) or self.second.is_set()
+
 
 def deal_batches(iterator, inboxes, epochs: int, first_epoch: int, stop_event, timeout: float,
-                 first_batch: int = 0) -> None:
+                 first_batch: int = 0, job: int = 0) -> None:
     """Coordinator side: batch ``b`` of each epoch goes to worker ``b % len(inboxes)``; in the
-    first epoch, resumed at ``first_batch``, batch ``b`` goes to ``(b - first_batch) % len(inboxes)``."""
+    first epoch, resumed at ``first_batch``, batch ``b`` goes to ``(b - first_batch) % len(inboxes)``.
+    Each item is ``(job, batch)``: the number of the fit it belongs to."""
     expected = batches_per_epoch(iterator)
     for epoch in range(first_epoch, first_epoch + epochs):
         if hasattr(iterator, "set_epoch"):
@@ -142,13 +170,16 @@ def deal_batches(iterator, inboxes, epochs: int, first_epoch: int, stop_event, t
             count += 1
             if index < start:
                 continue  # trained before the resume
-            put_bounded(inboxes[(index - start) % len(inboxes)], (batch.features, batch.labels), stop_event, timeout)
+            put_bounded(inboxes[(index - start) % len(inboxes)], (job, (batch.features, batch.labels)), stop_event,
+                        timeout)
+            if stop_event.is_set():
+                return  # the fit ended (early stopping asks for epochs without end): read no further
         if count != expected:
             raise DataError(
                 f"{type(iterator).__name__} yielded {count} batches in epoch {epoch} but len() said {expected}"
             )
         for inbox in inboxes:
-            put_bounded(inbox, END_OF_EPOCH, stop_event, timeout)
+            put_bounded(inbox, (job, END_OF_EPOCH), stop_event, timeout)
 
 
 def put_bounded(q, item, stop_event, timeout: float) -> None:
@@ -204,6 +235,8 @@ class Prefetcher:
             for item in self._source:
                 moved = self._move(item)
                 put_bounded(self._queue, moved, self._stop, self._timeout)
+                if self._stop.is_set():
+                    return  # closed: read no further (a pool's next fit may share the source)
             put_bounded(self._queue, None, self._stop, self._timeout)
         except BaseException as exc:  # handed to the training thread, which raises it
             if not self._stop.is_set():

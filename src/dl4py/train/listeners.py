@@ -2,6 +2,11 @@
 
 A listener sees the loss as a device tensor and converts it only when it reports, so a
 quiet listener costs nothing per step.
+
+``iteration`` counts minibatches, as ``model.iteration_count`` does. In one process each
+call is one more; a ParallelWrapper calls once a round, for every worker's batches (2, 4,
+6, ... with two workers). So listeners count the iterations between calls, and "every N
+iterations" means each time the count passes a multiple of N.
 """
 
 from __future__ import annotations
@@ -23,6 +28,28 @@ class TrainingListener:
     def on_fit_end(self, model, interrupted: bool) -> None: ...
 
 
+class _Count:
+    """Where a listener's count of iterations stood at its last call."""
+
+    def __init__(self):
+        self.last: int | None = None
+
+    def start(self, model) -> None:
+        self.last = model.iteration_count
+
+    def advance(self, iteration: int) -> int:
+        """The iteration of the call before (or of the epoch's start); ``iteration`` becomes it.
+        A count that does not go up (a loop of one's own numbering its steps otherwise) is one step."""
+        last = self.last if self.last is not None and self.last < iteration else iteration - 1
+        self.last = iteration
+        return last
+
+
+def _passes(last: int, iteration: int, every: int) -> bool:
+    """Whether going from ``last`` to ``iteration`` passes a multiple of ``every``."""
+    return iteration // every > last // every
+
+
 class ScoreIterationListener(TrainingListener):
     """Logs the minibatch score every ``print_every`` iterations."""
 
@@ -31,9 +58,13 @@ class ScoreIterationListener(TrainingListener):
             raise ValueError(f"ScoreIterationListener: print_every must be positive, got {print_every}")
         self.print_every = print_every
         self.history: list[tuple[int, float]] = []
+        self._count = _Count()
+
+    def on_epoch_start(self, model, epoch):
+        self._count.start(model)
 
     def iteration_done(self, model, iteration, epoch, loss, batch_size):
-        if iteration % self.print_every == 0:
+        if _passes(self._count.advance(iteration), iteration, self.print_every):
             score = float(loss)
             self.history.append((iteration, score))
             log.info("Score at iteration %d is %.6f", iteration, score)
@@ -52,13 +83,15 @@ class PerformanceListener(TrainingListener):
         self._start = None
         self._samples = 0
         self._batches = 0
+        self._count = _Count()
 
     def on_epoch_start(self, model, epoch):
         self._start, self._samples, self._batches = time.perf_counter(), 0, 0
+        self._count.start(model)
 
     def iteration_done(self, model, iteration, epoch, loss, batch_size):
         self._samples += batch_size
-        self._batches += 1
+        self._batches += iteration - self._count.advance(iteration)
         if self._batches >= self.frequency:
             elapsed = time.perf_counter() - self._start
             self.samples_per_second = self._samples / elapsed
@@ -81,16 +114,19 @@ class ProgressBar(TrainingListener):
         self._stream = stream  # None: sys.stderr when drawing (keeps the listener picklable)
         self.interval = interval
         self._first_epoch = None
+        self._count = _Count()
 
     def on_epoch_start(self, model, epoch):
         if self._first_epoch is None:
             self._first_epoch = epoch
         self._epoch, self._done, self._start, self._last = epoch, model.batch_in_epoch, time.perf_counter(), 0.0
+        self._resumed_at = model.batch_in_epoch  # trained before this fit: not part of its speed
+        self._count.start(model)
 
     def iteration_done(self, model, iteration, epoch, loss, batch_size):
-        self._done += 1
+        self._done += iteration - self._count.advance(iteration)
         now = time.perf_counter()
-        if now - self._last >= self.interval or self._done == self.batches:
+        if now - self._last >= self.interval or (self.batches is not None and self._done >= self.batches):
             self._last = now
             self._draw(now, float(loss))
 
@@ -100,7 +136,7 @@ class ProgressBar(TrainingListener):
 
     def _draw(self, now: float, score: float) -> None:
         elapsed = now - self._start
-        rate = self._done / elapsed if elapsed > 0 else 0.0
+        rate = (self._done - self._resumed_at) / elapsed if elapsed > 0 else 0.0
         epoch_no = self._epoch - self._first_epoch + 1
         if self.batches is None:
             self.stream.write(f"\repoch {epoch_no}/{self.total_epochs} {self._done} batches "
@@ -138,13 +174,18 @@ class MetricsLogger(TrainingListener):
         self.every = every
         self._file = None
         self._t0 = None
+        self._count = _Count()
 
     def on_fit_start(self, model):
         if self._t0 is None:
             self._t0 = time.time() - _last_time(self.path)
 
+    def on_epoch_start(self, model, epoch):
+        self._count.start(model)
+
     def iteration_done(self, model, iteration, epoch, loss, batch_size):
-        if self.every and iteration % self.every == 0:
+        last = self._count.advance(iteration)
+        if self.every and _passes(last, iteration, self.every):
             self._write({"kind": "iteration", "iteration": iteration, "epoch": epoch, "score": float(loss)})
 
     def on_epoch_end(self, model, summary):

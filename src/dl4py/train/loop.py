@@ -10,18 +10,15 @@ sum every ``NAN_CHECK_EVERY`` steps and at the end of each epoch.
 
 from __future__ import annotations
 
-import contextlib
-import time
-from dataclasses import asdict, dataclass
-
-import torch
-
 from dl4py.data.iterators import WrappedIterator
-from dl4py.errors import DataError, DL4PyError, TrainingError
-from dl4py.train.history import History, current_learning_rate
+from dl4py.errors import DataError, DL4PyError
+from dl4py.train.epoch import EpochSummary, EpochTally, check_finite, epoch_rng, finish_epoch
+from dl4py.train.history import History
 from dl4py.train.interrupt import DeferredInterrupt
-from dl4py.train.step import make_train_step
 from dl4py.train.validation import validation_record
+
+# Where they were first defined; the epoch's parts now live in train/epoch.py.
+__all__ = ["EpochSummary", "TrainingInterrupted", "check_finite", "data_source", "epoch_rng", "fit"]
 
 NAN_CHECK_EVERY = 100
 
@@ -30,40 +27,13 @@ class TrainingInterrupted(DL4PyError):
     """Training was stopped by Ctrl-C or SIGTERM; the model holds the state after the last full step."""
 
 
-@dataclass
-class EpochSummary:
-    epoch: int  # 0-based index of the epoch that ended
-    batches: int
-    examples: int
-    mean_loss: float
-    seconds: float
-    completed: bool = True  # False when a stop was requested part-way through the epoch
-    learning_rate: float | None = None  # of the epoch's last update
-    validation: dict | None = None  # val_loss, val_<metric>: the held-out score after the epoch
-
-    @property
-    def samples_per_second(self) -> float:
-        return self.examples / self.seconds if self.seconds > 0 else 0.0
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "samples_per_second": self.samples_per_second}
-
-    def record(self) -> dict:
-        """The epoch as History and ``metrics.jsonl`` show it (Keras' key names)."""
-        return {"epoch": self.epoch, "loss": self.mean_loss, "seconds": self.seconds,
-                "samples_per_second": self.samples_per_second, "learning_rate": self.learning_rate,
-                "batches": self.batches, "examples": self.examples, **(self.validation or {})}
-
-
 def fit(model, iterator, epochs: int, listeners: list, validation=None, metrics=None) -> History:
     """Train ``epochs`` epochs; after each, score ``validation`` (an iterator) when given."""
     if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 0:
         raise ValueError(f"fit: epochs must be a non-negative integer, got {epochs!r}")
     model.init()
     model.module.train()
-    model._stop_reason = None
-    if model._train_step is None:
-        model._train_step = make_train_step(model)
+    model.clear_stop_request()
     iterator = data_source(model, iterator)
     history = History()
     interrupted = False
@@ -77,7 +47,6 @@ def fit(model, iterator, epochs: int, listeners: list, validation=None, metrics=
                 if summary is None:
                     interrupted = True
                     break
-                summary.learning_rate = current_learning_rate(model)
                 if summary.completed:
                     if validation is not None:
                         summary.validation = validation_record(model, validation, metrics)
@@ -112,51 +81,35 @@ def _run_epoch(model, iterator, listeners, interrupt) -> EpochSummary | None:
     if hasattr(iterator, "set_epoch"):
         iterator.set_epoch(epoch)
     skip = model.batch_in_epoch
-    step = model._train_step
     for listener in listeners:
         listener.on_epoch_start(model, epoch)
     length = _length(iterator) if skip else None
     if length is not None and skip > length:
         raise DataError(f"the model stopped after batch {skip} of epoch {epoch}, but this data has only {length} "
                         "batches per epoch: resume with the data (and batch size) it was trained on")
-    device = model.backend.device
-    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-    batches = examples = 0
-    started = time.perf_counter()
+    tally = EpochTally(model, epoch)
     with epoch_rng(model, epoch):
         for index, batch in enumerate(iterator):
             if index < skip:
                 continue  # resumed mid-epoch: these batches were trained before the stop
-            features, labels = model._prepare(batch)
-            if batches == 0:
-                model.check_features(features, f"epoch {epoch}, batch {index}")
-                model.check_labels(labels, f"epoch {epoch}, batch {index}")
-            loss = step(features, labels)
-            model._last_score = loss
+            features, labels = model.prepare_batch(batch)
+            loss = tally.train(features, labels, f"epoch {epoch}, batch {index}")
             model.iteration_count += 1
             model.batch_in_epoch = index + 1
-            batches += 1
-            examples += features.shape[0]
-            loss_sum += loss
             for listener in listeners:
                 listener.iteration_done(model, model.iteration_count, epoch, loss, features.shape[0])
-            if model._stop_reason is not None:  # before the NaN check: a stop on NaN is asked for
-                seconds = time.perf_counter() - started
-                return EpochSummary(epoch, batches, examples, float(loss_sum) / batches, seconds, completed=False)
-            if batches % NAN_CHECK_EVERY == 0:
-                check_finite(model, loss_sum, epoch)
+            if model.stop_reason is not None:  # before the NaN check: a stop on NaN is asked for
+                return tally.summary(completed=False)
+            if tally.batches % NAN_CHECK_EVERY == 0:
+                check_finite(model, tally.loss_sum, epoch)
             if interrupt.requested:
                 return None
-    if batches == 0 and not skip:  # an exhausted generator, an empty source: no epoch to count as done
+    if tally.batches == 0 and not skip:  # an exhausted generator, an empty source: no epoch to count as done
         raise DataError(f"the data gave no batches in epoch {epoch}; a one-pass iterable (a generator) is "
                         "spent after its first epoch: pass a DataSetIterator, a DataLoader or a callable "
                         "returning a fresh iterable")
-    check_finite(model, loss_sum, epoch)
-    model.epoch_count += 1
-    model.batch_in_epoch = 0
-    seconds = time.perf_counter() - started
-    mean = float(loss_sum) / batches if batches else float("nan")  # stopped after its last batch
-    return EpochSummary(epoch, batches, examples, mean, seconds)
+    finish_epoch(model, tally.loss_sum, epoch)
+    return tally.summary()  # no batches: stopped after its last one, its mean loss NaN
 
 
 def _length(iterator) -> int | None:
@@ -177,13 +130,13 @@ def data_source(model, iterator):
     env, device = environment(), model.backend.device
     if isinstance(iterator, DeviceDataSetIterator):
         return iterator
-    cached = model._device_data
+    cached = model.device_data
     if cached is not None and cached.copies(iterator) and cached.device == device and env.device_data != "off":
         return cached  # kept from an earlier fit (early stopping fits one epoch at a time)
-    model._device_data = None  # the old copy goes before a new one is made
+    model.device_data = None  # the old copy goes before a new one is made
     if use_device_data(env.device_data, iterator, device, _step_bytes(model, iterator)):
-        model._device_data = DeviceDataSetIterator(iterator, device)
-        return model._device_data
+        model.device_data = DeviceDataSetIterator(iterator, device)
+        return model.device_data
     if not isinstance(iterator, ArrayDataSetIterator):  # its labels were all checked when it was made
         iterator = CheckedLabels(iterator, model)
     if device.type == "cuda":
@@ -219,34 +172,3 @@ def _step_bytes(model, iterator) -> int | None:
 
     report = estimate(config, batch, model.precision.name, device="cuda")
     return report.peak_bytes - report.parameter_bytes
-
-
-def check_finite(model, loss_sum: torch.Tensor, epoch: int) -> None:
-    """Raise TrainingError, naming the precision and a remedy, when the loss is NaN or infinite."""
-    if not bool(torch.isfinite(loss_sum)):
-        remedy = {
-            "half": "use 'mixed-fp16' (loss scaling) or 'bfloat16', or lower the learning rate",
-            "mixed-fp16": "lower the learning rate, or use 'mixed-bf16'",
-        }.get(model.precision.name, "lower the learning rate or check the data for NaN/inf values")
-        raise TrainingError(
-            f"the loss became NaN or infinite in epoch {epoch} (by iteration {model.iteration_count}) "
-            f"with precision '{model.precision}'; {remedy}"
-        )
-
-
-def epoch_rng(model, epoch: int, stream: int = 0):
-    """Seed dropout and other in-step randomness from (seed, epoch, stream), without touching
-    the caller's global RNG, so a run resumed at an epoch boundary draws the same masks.
-    Parallel workers pass their rank as ``stream`` so each draws its own masks."""
-    seed = getattr(model, "seed", 0)
-    device = model.backend.device
-    devices = [device.index or 0] if device.type == "cuda" else []
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.random.fork_rng(devices=devices))
-    value = seed * 1_000_003 + epoch * 10_007 + stream
-    # Only the generators fork_rng restores: torch.manual_seed would reseed every GPU.
-    torch.random.default_generator.manual_seed(value)
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            torch.cuda.manual_seed(value)
-    return stack

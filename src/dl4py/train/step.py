@@ -9,6 +9,7 @@ not advance.
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -26,6 +27,10 @@ _COMPILE_MODES = {
 }
 
 
+# model -> (settings, its torch.compile'd module): compiled once per model and settings.
+_compiled: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def forward_function(model):
     """The module, or its torch.compile'd form when the environment asks for kernel fusion
     (``compile``) or CUDA graphs (``cuda_graphs``)."""
@@ -41,9 +46,10 @@ def forward_function(model):
             f"environment setting cuda_graphs needs the GPU backend, but this model runs on "
             f"{model.backend.device}; turn cuda_graphs off"
         )
-    if getattr(model, "_compiled", None) is None or model._compiled[0] != key:
-        model._compiled = (key, torch.compile(model.module, mode=_COMPILE_MODES[key]))
-    return model._compiled[1]
+    kept = _compiled.get(model)
+    if kept is None or kept[0] != key or kept[2] is not model.module:
+        kept = _compiled[model] = (key, torch.compile(model.module, mode=_COMPILE_MODES[key]), model.module)
+    return kept[1]
 
 
 def make_train_step(model, gradient_hook=None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -55,6 +55,6 @@ class LocalFileModelSaver:
 
 
 def _load(source, into, backend):
-    from dl4py.nn.serialization import load
+    from dl4py.nn.loading import load
 
     return load(source, into=into, backend=backend)

@@ -1,0 +1,112 @@
+"""The ParallelWrapper's options, as one frozen object checked by one ``validate``.
+
+The wrapper, the ``training`` section of a run config and the workers all read the same
+``ParallelOptions``; an error names the option (``training.averaging_frequency: ...`` in a
+config) the same way wherever it was given.
+
+    ParallelOptions(workers=2, averaging_frequency=3).validate()
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from dl4py.errors import ConfigError
+
+MODES = ("averaging", "shared_gradients")
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """DL4J's ParallelWrapper.Builder options; ``None`` means the default.
+
+    - ``workers``: processes (default: the number of usable GPUs, or 2 on CPU).
+    - ``prefetch_buffer``: batches each worker keeps ready on its device (0: none).
+    - ``averaging_frequency``: rounds between parameter averages (averaging mode; default 1).
+    - ``report_score_after_averaging``: log the averaged score and the averaging time.
+    - ``average_updaters``: average the updater state too (averaging mode; default on).
+    - ``training_mode``: ``"averaging"`` or ``"shared_gradients"`` (all-reduce every step).
+    - ``devices``: e.g. ``["cuda:0", "cuda:1"]`` or ``["cpu"]`` (default: the model's backend).
+    - ``timeout``: seconds any wait on another process may last before it is an error.
+    """
+
+    workers: int | None = None
+    prefetch_buffer: int = 16
+    averaging_frequency: int | None = None
+    report_score_after_averaging: bool = False
+    average_updaters: bool | None = None
+    training_mode: str = "averaging"
+    devices: tuple[str, ...] | None = None
+    timeout: float = 300.0
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def validate(self, where: str = "") -> "ParallelOptions":
+        """Raise a ConfigError naming the first option that is wrong (under ``where``, a
+        config section such as ``training``); return the options with devices spelled
+        ``cpu`` / ``cuda:N``."""
+        def key(name: str) -> str:
+            return f"{where}.{name}" if where else name
+
+        if self.training_mode not in MODES:
+            raise ConfigError(key("training_mode"), f"must be one of {', '.join(MODES)}; got {self.training_mode!r}")
+        if self.training_mode == "shared_gradients":
+            # An option that cannot apply is an error, not silently ignored as DL4J did.
+            for name, unset in (("averaging_frequency", None), ("average_updaters", None),
+                                ("report_score_after_averaging", False)):
+                if getattr(self, name) != unset:
+                    raise ConfigError(key(name), "applies to training_mode 'averaging' only: shared gradients "
+                                                 "keep every replica identical")
+        for name in ("workers", "averaging_frequency"):
+            value = getattr(self, name)
+            if value is not None and not _is_int(value, minimum=1):
+                raise ConfigError(key(name), f"must be a positive integer, got {value!r}")
+        if not _is_int(self.prefetch_buffer, minimum=0):
+            raise ConfigError(key("prefetch_buffer"), f"must be an integer >= 0, got {self.prefetch_buffer!r}")
+        for name in ("report_score_after_averaging", "average_updaters"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ConfigError(key(name), f"must be true or false, got {value!r}")
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
+            raise ConfigError(key("timeout"), f"must be a positive number of seconds, got {self.timeout!r}")
+        devices = self.devices
+        if devices is not None:
+            if isinstance(devices, (str, torch.device)) or not hasattr(devices, "__iter__"):
+                raise ConfigError(key("devices"),
+                                  f"must be a list of devices, e.g. ['cuda:0', 'cuda:1'], got {devices!r}")
+            devices = tuple(device_name(d, key(f"devices[{i}]")) for i, d in enumerate(devices))
+            if not devices:
+                raise ConfigError(key("devices"), "must name at least one device")
+        return replace(self, devices=devices, timeout=float(self.timeout))
+
+    @property
+    def rounds_per_average(self) -> int:
+        """Rounds between averages; in shared-gradients mode (every round) the rounds
+        between the workers' votes on stopping."""
+        return self.averaging_frequency or 1
+
+    @property
+    def averages_updater_state(self) -> bool:
+        return self.average_updaters is not False
+
+
+def device_name(device, where: str) -> str:
+    """``cpu`` or ``cuda:N`` for an entry of ``devices``: a GPU index, a name or a torch.device."""
+    try:
+        device = torch.device(f"cuda:{device}" if _is_int(device, minimum=0) else device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(where, f"must be cpu, cuda:N or a GPU index, got {device!r}") from None
+    if device.type == "cuda" and device.index is None:
+        # Each worker pins itself to one GPU, and NCCL needs to know whether two share one.
+        raise ConfigError(where, "names no GPU: give its index, e.g. cuda:0 or 0")
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(where, f"must be cpu, cuda:N or a GPU index, got {str(device)!r}")
+    return "cpu" if device.type == "cpu" else str(device)  # cpu:0 is the CPU too
+
+
+def _is_int(value, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum

@@ -1,0 +1,106 @@
+"""The program of one rank, whoever launched it: ``run_rank``.
+
+Every launcher ends here: a worker of the ParallelWrapper's pool (``pool_worker.py``), a
+process torchrun started (``launched.py``), and whatever runs ``ParallelWrapper.fit``
+under torchrun's variables (a Spark task). The launcher has set up the process group and
+says where the batches come from, who sees the events and who decides on early stopping;
+the rank builds its replica from the fit's model, trains it epoch by epoch
+(``worker.train_epoch``) and reports, as a ``RankReport``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from dl4py.backend.cuda_environment import Environment
+from dl4py.nn.serialization import model_bytes
+from dl4py.parallel.averaging import broadcast, replica_state, share_gradients, stepped_parameters
+from dl4py.parallel.worker import WorkerSpec, build_replica, train_epoch, worker_device
+from dl4py.train.epoch import EpochSummary
+
+
+@dataclass
+class RankReport:
+    """What one rank tells its launcher at the end of a fit."""
+
+    summaries: list[EpochSummary] = field(default_factory=list)  # the epochs trained, all workers counted
+    stop: tuple[str, str] | None = None  # early stopping's (condition kind, reason) when one fired
+    interrupted: bool = False  # a stop was asked for (Ctrl-C, SIGTERM): all stopped after the same round
+    records: list = field(default_factory=list)  # with record_examples: feature 0 of every example trained
+    state: bytes | None = None  # the trained replica as a model file, when the launcher asked for it
+
+
+def run_rank(rank: int, world: int, spec: WorkerSpec, source, *, should_stop=None, listeners=(), decide=None,
+             keep_state: bool = False) -> RankReport:
+    """Train this rank's replica for ``spec.epochs`` epochs on ``source``'s batches, or until
+    ``should_stop()`` says so on any rank (give it on all or none).
+
+    ``listeners`` see this replica's events (rank 0's: the fit's listeners under torchrun,
+    the relay to the coordinator in a pool); with ``spec.early_stopping``, rank 0's
+    ``decide(replica)`` says after each epoch why all should stop, or None. With
+    ``keep_state`` the report carries the trained replica (``RankReport.state``)."""
+    device = worker_device(spec, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif spec.threads:
+        torch.set_num_threads(spec.threads)  # workers sharing the cores must not oversubscribe them
+    if spec.environment is not None:  # installed as this process's environment
+        Environment.from_dict(spec.environment).apply(device)
+    replica = build_replica(spec, device)
+    replica.module.train()
+    # All replicas start from worker 0's state, whatever each process built.
+    broadcast(replica_state(replica, include_updater=True), src=0)
+    if replica.master is not None:
+        replica.master.master_to_module()
+    if spec.options.training_mode == "shared_gradients":
+        params = stepped_parameters(replica)
+
+        def share(took_part):
+            share_gradients(params, took_part)
+
+        replica.share_gradients(share)  # every step averages the gradients before its update
+    for listener in listeners:
+        listener.on_fit_start(replica)
+    report = RankReport()
+    for condition in spec.iteration_conditions:
+        condition.initialize()  # MaxTime counts from here, in this process
+    try:
+        for _ in range(spec.epochs):
+            summary = train_epoch(replica, rank, world, spec, source, device, report, listeners, should_stop)
+            report.summaries.append(summary)
+            if report.stop is not None or not summary.completed:
+                break  # an iteration condition fired, or a stop was asked for: all stopped in the same round
+            for listener in listeners:
+                listener.on_epoch_end(replica, summary)
+            # Asked even after a stop voted in the epoch's last round: the relay has sent the
+            # epoch's end, and the coordinator's answer must not be left for the next fit.
+            if spec.early_stopping and _epoch_decision(replica, decide, rank, device, report):
+                break
+            if report.interrupted:
+                break  # asked in the epoch's last round: the epoch is complete
+    finally:
+        # Under torchrun the replica is the program's own model: its later fits are its own.
+        replica.share_gradients(None)
+        # A pool's worker 0 has the relay as listener: an interrupted fit ends in the
+        # coordinator, which restores this replica's state and runs on_fit_end(model, True).
+        for listener in listeners:
+            listener.on_fit_end(replica, report.interrupted)
+    if spec.record_examples:
+        report.records = torch.cat(report.records).tolist() if report.records else []
+    if keep_state:
+        report.state = model_bytes(replica)
+    return report
+
+
+def _epoch_decision(replica, decide, rank, device, report: RankReport) -> bool:
+    """Rank 0 has the (averaged) replica scored and the epoch conditions asked; all follow it."""
+    reason = decide(replica) if rank == 0 else None
+    flag = torch.tensor([1.0 if reason is not None else 0.0], device=device)
+    dist.broadcast(flag, src=0)
+    if flag.item() > 0:
+        report.stop = ("EpochTerminationCondition", reason)
+        return True
+    return False

@@ -1,0 +1,280 @@
+"""SparkTrainer: data-parallel training whose ranks Spark starts (DL4J's SparkDl4jMultiLayer).
+
+    trainer = SparkTrainer(model, workers=4, averaging_frequency=3)
+    history = trainer.fit(df, label="y", batch_size=64, epochs=2)
+
+The driver (this process) stages the data, starts one Spark task per rank with
+TorchDistributor (a barrier stage: all run at once), and waits. Each task runs
+``task.train_task``: the ParallelWrapper as a launched process's worker, on the model's
+saved bytes. Rank 0 streams its events here, where the fit's listeners run
+(``events.py``), and returns the trained model file, which ``model`` then takes. A rank
+that fails stops the job; ``fit`` raises ``WorkerError`` naming it, with its error.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import queue
+import threading
+import time
+import uuid
+
+from dl4py.errors import ConfigError, TrainingError, WorkerError
+from dl4py.nn.model import Model
+from dl4py.nn.serialization import model_bytes, restore_state
+from dl4py.parallel.events import EventReplay
+from dl4py.parallel.messages import Failed
+from dl4py.parallel.processes import is_lost_peer
+from dl4py.spark.data import rank_source
+from dl4py.spark.events import EventServer
+from dl4py.spark.task import TaskJob, train_task
+from dl4py.spark.session import check_slots
+from dl4py.train.history import History
+from dl4py.train.loop import EpochSummary, TrainingInterrupted
+
+log = logging.getLogger("dl4py")
+
+POLL_SECONDS = 0.1
+# After a rank reports only that a peer went away, how long to wait for the peer's own report.
+SETTLE_SECONDS = 5.0
+
+
+class SparkTrainer:
+    """Train ``model`` on ``workers`` Spark tasks. The options are the ParallelWrapper's,
+    checked the same way (one that cannot apply is an error), plus:
+
+    - ``spark``: the SparkSession (default: this process's active one);
+    - ``use_gpu``: one GPU per task (TorchDistributor's ``use_gpu``; see docs/spark.md for
+      the ``spark.*.resource.gpu`` settings the cluster needs); else the ranks use the CPU;
+    - ``staging_dir``: where a DataFrame is written for the ranks to read (default: a
+      temporary folder on the driver; on a cluster, a folder every executor can read at
+      the same path).
+    """
+
+    def __init__(self, model: Model, workers: int, *, spark=None, prefetch_buffer: int = 16,
+                 averaging_frequency: int | None = None, report_score_after_averaging: bool = False,
+                 average_updaters: bool | None = None, training_mode: str = "averaging", use_gpu: bool = False,
+                 staging_dir=None, timeout: float = 300.0):
+        from dl4py.parallel import ParallelWrapper
+
+        self.options = dict(workers=workers, prefetch_buffer=prefetch_buffer, averaging_frequency=averaging_frequency,
+                            report_score_after_averaging=report_score_after_averaging,
+                            average_updaters=average_updaters, training_mode=training_mode, timeout=timeout)
+        if workers is None:
+            raise ConfigError("workers", "is required: how many Spark tasks train (each one rank)")
+        ParallelWrapper(model, **self.options)  # the same checks as every rank's wrapper, here and now
+        self.model, self.workers = model, workers
+        self.spark, self.use_gpu, self.staging_dir = spark, bool(use_gpu), staging_dir
+        self.timeout = float(timeout)
+
+    def fit(self, data, epochs: int = 1, listeners=(), *, validation=None, metrics=None, label=None, features=None,
+            batch_size: int | None = None, shuffle_buffer: int | None = None, seed: int | None = None) -> History:
+        """Train ``epochs`` epochs on ``data``; the model then holds the averaged state.
+
+        ``data``: a Spark DataFrame (``label`` column, ``features`` columns: default all
+        others; numbers, arrays or ML vectors), a directory of Parquet/CSV files every
+        executor can read, or any iterator ``ParallelWrapper.fit`` accepts that pickles (it
+        travels to every rank). ``batch_size``, ``shuffle_buffer`` and ``seed`` batch a
+        DataFrame or directory as ``TableDirectoryIterator`` does. ``validation`` (it
+        travels too) is scored by rank 0 after each epoch. ``listeners`` run here."""
+        if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
+            raise ConfigError("epochs", f"must be a positive integer, got {epochs!r}")
+        spark = self._session()
+        check_slots(spark.sparkContext.master, self.workers)
+        model = self.model
+        model.init()
+        before = model_bytes(model)
+        with rank_source(data, model, self.workers, label=label, features=features, batch_size=batch_size,
+                         shuffle_buffer=shuffle_buffer, seed=seed, staging_dir=self.staging_dir) as source:
+            _check_batches(source, self.workers)
+            _check_picklable(data=source, validation=validation)
+            torch_model = _torch_model(model)
+            replay = EventReplay(model, listeners)
+            server = EventServer(spark.conf.get("spark.driver.host"), spark.conf.get("spark.driver.bindAddress", ""))
+            job = TaskJob(model=before, torch_model=torch_model, data=source, validation=validation,
+                          metrics=None if metrics is None else list(metrics), epochs=epochs, options=self.options,
+                          use_gpu=self.use_gpu, precision=model.precision.name, address=server.address,
+                          key=server.key, relay=replay.relays_epochs, relay_iterations=replay.relays_iterations,
+                          cpus=_task_cpus(spark))
+            failed = True
+            try:
+                replay.fit_start()
+                result = self._run(spark, job, server, replay)
+                failed = False
+            finally:
+                server.close(timeout=0)  # closed already, unless the fit failed here
+                if failed:  # as a spawned fit promises: the model as it was before this fit
+                    replay.abandon(before)
+        restore_state(model, result["model"])
+        replay.fit_end(False)
+        return History(_summary(d) for d in result["summaries"])
+
+    def _session(self):
+        if self.spark is not None:
+            return self.spark
+        from pyspark.sql import SparkSession
+
+        active = SparkSession.getActiveSession()
+        if active is None:
+            raise ConfigError("spark", "no SparkSession is active: pass spark=, or start one first, e.g. "
+                                       "SparkSession.builder.master('local[4]').getOrCreate() "
+                                       "(or dl4py.spark.spark_session)")
+        return active
+
+    def _run(self, spark, job: TaskJob, server: EventServer, replay: EventReplay) -> dict:
+        """Run the Spark job, replaying rank 0's events meanwhile; the first rank to fail
+        stops it, and its report is what is raised."""
+        from pyspark.ml.torch.distributor import TorchDistributor
+
+        try:
+            distributor = TorchDistributor(num_processes=self.workers, local_mode=False, use_gpu=self.use_gpu)
+        except RuntimeError as exc:  # e.g. use_gpu without the cluster's GPU settings
+            raise ConfigError("use_gpu" if self.use_gpu else "spark", str(exc)) from None
+        sc = spark.sparkContext
+        runner = _Job(sc, distributor, job)
+        failures: dict[int, Failed] = {}
+        settle_until = None
+        try:
+            runner.start()
+            while runner.is_alive():
+                try:
+                    message = server.messages.get(timeout=POLL_SECONDS)
+                except queue.Empty:
+                    message = None
+                if isinstance(message, Failed):
+                    failures[message.rank] = message
+                    if not _lost_peer(message):
+                        runner.cancel()  # the cause is known: stop the others now
+                    elif settle_until is None:
+                        settle_until = time.monotonic() + SETTLE_SECONDS
+                elif message is not None:
+                    replay.handle(message)
+                if settle_until is not None and time.monotonic() > settle_until:
+                    runner.cancel()
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM from dl4py's command
+            runner.cancel()
+            raise TrainingInterrupted("Spark training stopped (Ctrl-C or SIGTERM): the Spark job was cancelled, "
+                                      "which stops every rank; the model keeps its state from before this "
+                                      "fit") from None
+        except BaseException:  # a listener failed (a full disk, say): nothing goes on training
+            runner.cancel()
+            raise
+        finally:
+            runner.join(self.timeout)
+        server.close(timeout=min(self.timeout, 30.0))  # the reports sent before the ranks ended
+        while not server.messages.empty():
+            message = server.messages.get()
+            if isinstance(message, Failed):
+                failures[message.rank] = message
+            elif not failures and runner.error is None:
+                replay.handle(message)
+        if failures:
+            raise _root_cause(failures) from runner.error
+        if runner.error is not None:
+            raise TrainingError(f"the Spark job failed before any rank reported an error (look at the executors' "
+                                f"logs): {_first_lines(runner.error)}") from runner.error
+        if not isinstance(runner.result, dict):
+            raise TrainingError(f"rank 0 returned {type(runner.result).__name__}, not the trained model")
+        return runner.result
+
+
+class _Job(threading.Thread):
+    """The Spark job, run from a thread of its own so that this process's main thread can
+    run the listeners meanwhile; ``cancel`` kills its tasks (and so every rank)."""
+
+    def __init__(self, sc, distributor, job: TaskJob):
+        super().__init__(name="dl4py-spark-job", daemon=True)
+        self.sc, self.distributor, self.job = sc, distributor, job
+        self.group = f"dl4py-{uuid.uuid4().hex[:12]}"
+        self.result = self.error = None
+        self._cancelled = False
+
+    def run(self) -> None:
+        try:
+            self.sc.setJobGroup(self.group, "dl4py: data-parallel training", interruptOnCancel=True)
+            self.result = self.distributor.run(train_task, self.job)
+        except BaseException as exc:
+            self.error = exc
+
+    def cancel(self) -> None:
+        if not self._cancelled:
+            self._cancelled = True
+            self.sc.cancelJobGroup(self.group)
+
+
+def _lost_peer(failed: Failed) -> bool:
+    return not failed.user_error and is_lost_peer(failed.traceback)
+
+
+def _root_cause(failures: dict[int, Failed]) -> WorkerError:
+    """The first rank with an error of its own; a rank that only lost its peers comes last."""
+    rank = min(failures, key=lambda r: (_lost_peer(failures[r]), r))
+    failed = failures[rank]
+    detail = failed.traceback if failed.user_error else f"raised an exception:\n{failed.traceback}"
+    if _lost_peer(failed):
+        detail += "\n(a peer went away without a report of its own: look at the executors' logs)"
+    others = sorted(r for r in failures if r != rank)
+    if others:
+        detail += f"\n(then worker{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} stopped as well)"
+    return WorkerError(rank, failed.device, detail)
+
+
+def _task_cpus(spark) -> int:
+    """``spark.task.cpus``: the cores Spark reserves for each task (1 unless the cluster says)."""
+    try:
+        return max(1, int(spark.conf.get("spark.task.cpus", "1")))
+    except ValueError:
+        raise ConfigError("spark.task.cpus", f"must be a positive integer, got "
+                                             f"{spark.conf.get('spark.task.cpus')!r}") from None
+
+
+def _first_lines(exc: BaseException, lines: int = 3) -> str:
+    text = str(exc).strip().splitlines()
+    return " ".join(line.strip() for line in text[:lines]) or type(exc).__name__
+
+
+def _check_batches(source, workers: int) -> None:
+    from dl4py.parallel.sources import batches_per_epoch, is_shardable
+
+    if is_shardable(source):
+        return  # pieces were counted when it was made
+    batches = batches_per_epoch(source)
+    if workers > batches:
+        raise ConfigError("workers", f"is {workers} but an epoch has only {batches} batches: every rank needs a "
+                                     f"batch in the first round; use at most {batches} workers or a smaller batch size")
+
+
+def _torch_model(model):
+    """A TorchModel's recipe for the ranks; cloudpickle carries a module class defined in a
+    notebook or script (``__main__``) by value, where the executors could not import it."""
+    from dl4py.nn.torch_model import TorchModel
+
+    if not isinstance(model, TorchModel):
+        return None
+    import torch
+    from pyspark import cloudpickle
+
+    buffer = io.BytesIO()
+    try:
+        torch.save(model, buffer, pickle_module=cloudpickle)
+    except Exception as exc:
+        raise ConfigError("model", f"must be picklable to reach the Spark executors: {exc}") from None
+    return buffer.getvalue()
+
+
+def _check_picklable(**values) -> None:
+    """Say what cannot travel to the executors before any task starts."""
+    from pyspark import cloudpickle
+
+    for name, value in values.items():
+        try:
+            cloudpickle.dumps(value)
+        except Exception as exc:
+            raise ConfigError(name, f"must be picklable to reach the Spark executors: {exc}") from None
+
+
+def _summary(d: dict) -> EpochSummary:
+    import dataclasses
+
+    return EpochSummary(**{f.name: d[f.name] for f in dataclasses.fields(EpochSummary) if f.name in d})

@@ -1,0 +1,79 @@
+"""DL4J's names for training on Spark, as thin shells over ``SparkTrainer``:
+
+    tm = ParameterAveragingTrainingMaster(batch_size_per_worker=32, averaging_frequency=5,
+                                          worker_prefetch_num_batches=2)
+    spark_net = SparkDl4jMultiLayer(spark, conf, tm)      # a NetworkConfig or a model
+    spark_net.fit(df, label="y", epochs=2)
+    model = spark_net.get_network()
+
+Only the options that mean something here exist; docs/spark.md says what became of the
+others (storage levels, RDD training approach, threshold encoding, ...).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from dl4py.spark.data import is_spark_dataframe
+from dl4py.spark.trainer import SparkTrainer
+
+
+@dataclass(frozen=True)
+class ParameterAveragingTrainingMaster:
+    """Averaging mode. ``workers``: Spark tasks (default: the cluster's default parallelism,
+    one per executor core, as DL4J); ``batch_size_per_worker`` batches a DataFrame or a
+    directory; ``save_updater``: average the updater state too; ``export_directory``:
+    where a DataFrame is staged."""
+
+    batch_size_per_worker: int | None = None
+    averaging_frequency: int | None = None
+    worker_prefetch_num_batches: int = 16
+    save_updater: bool = True
+    workers: int | None = None
+    export_directory: str | None = None
+
+    def trainer_options(self) -> dict:
+        return dict(training_mode="averaging", averaging_frequency=self.averaging_frequency,
+                    average_updaters=self.save_updater, prefetch_buffer=self.worker_prefetch_num_batches,
+                    staging_dir=self.export_directory)
+
+
+@dataclass(frozen=True)
+class SharedTrainingMaster:
+    """Shared-gradients mode: gradients are averaged after every step, uncompressed (DL4J's
+    threshold encoding has no counterpart: all-reduce sends them whole)."""
+
+    batch_size_per_worker: int | None = None
+    worker_prefetch_num_batches: int = 16
+    workers: int | None = None
+    export_directory: str | None = None
+
+    def trainer_options(self) -> dict:
+        return dict(training_mode="shared_gradients", prefetch_buffer=self.worker_prefetch_num_batches,
+                    staging_dir=self.export_directory)
+
+
+class SparkDl4jMultiLayer:
+    """``SparkDl4jMultiLayer(spark, conf_or_model, training_master)``; ``fit`` trains the
+    network, which ``get_network()`` returns."""
+
+    def __init__(self, spark, network, training_master, *, use_gpu: bool = False):
+        from dl4py.config import NetworkConfig
+        from dl4py.nn.network import MultiLayerNetwork
+
+        self.network = MultiLayerNetwork(network) if isinstance(network, NetworkConfig) else network
+        self.training_master = training_master
+        workers = training_master.workers or spark.sparkContext.defaultParallelism
+        self.trainer = SparkTrainer(self.network, workers, spark=spark, use_gpu=use_gpu,
+                                    **training_master.trainer_options())
+
+    def fit(self, data, epochs: int = 1, *, label=None, features=None, listeners=(), validation=None):
+        """Train on a DataFrame (``label``, ``features``), a table directory, or an iterator."""
+        table = is_spark_dataframe(data) or isinstance(data, (str, os.PathLike))
+        batch = self.training_master.batch_size_per_worker if table else None
+        return self.trainer.fit(data, epochs, listeners, validation=validation, label=label, features=features,
+                                batch_size=batch)
+
+    def get_network(self):
+        return self.network
