@@ -1,6 +1,7 @@
-"""Run by tests/test_spark.py in a process of its own: a SparkTrainer fit on Spark's
-local-cluster master (each rank in an executor process) over a table directory whose second
-file holds a label the network does not have. Prints how the fit ended, as JSON."""
+"""Run by tests/test_spark.py in a process of its own, on Spark's local-cluster master (each
+rank in an executor process): a SparkTrainer fit over a clean table directory, then one over a
+directory whose second file holds a label the network does not have. Prints, as JSON, the
+first fit's trained parameters and how the second ended."""
 
 import json
 import sys
@@ -12,7 +13,7 @@ from dl4py.errors import WorkerError
 from dl4py.spark import SparkTrainer, spark_session
 
 
-def main(folder: str, master: str) -> None:
+def main(clean: str, folder: str, master: str) -> None:
     config = NetworkConfig(layers=[DenseLayer(n_out=12, activation="tanh"), OutputLayer(n_out=3)],
                            input_type=InputType.feed_forward(5), updater=Sgd(0.1), seed=11)
     model = MultiLayerNetwork(config, backend="cpu").init()
@@ -20,13 +21,19 @@ def main(folder: str, master: str) -> None:
     outcome = {"rank": None}
     with spark_session(master, conf={"spark.ui.enabled": "false"}) as spark:
         spark.sparkContext.setLogLevel("ERROR")
+        trained = MultiLayerNetwork(config, backend="cpu")
+        history = SparkTrainer(trained, 2, averaging_frequency=2, timeout=60).fit(clean, epochs=2, label="y",
+                                                                               batch_size=8)
+        outcome["trained"] = {"examples": history.history["examples"], "epochs": trained.epoch_count,
+                              "iterations": trained.iteration_count,
+                              "parameters": [p.detach().flatten().tolist() for p in trained.module.parameters()]}
         try:
             SparkTrainer(model, 2, timeout=60).fit(folder, epochs=1, label="y", batch_size=8)
         except WorkerError as exc:
-            outcome = {"rank": exc.rank, "device": exc.device, "detail": exc.detail, "message": str(exc)}
+            outcome.update(rank=exc.rank, device=exc.device, detail=exc.detail, message=str(exc))
     outcome["model_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, model.module.parameters()))
     print(json.dumps(outcome))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])

@@ -172,23 +172,22 @@ def test_nan_in_training_ends_with_invalid_score_and_keeps_the_best_model(tmp_pa
 
 
 @pytest.mark.parametrize("parallel", [False, True])
-def test_max_time_stops_a_running_fit_promptly(parallel):
+def test_max_time_stops_a_running_fit_part_way_through_its_first_epoch(parallel):
+    """MaxTime is asked during the epoch, not at its end: an epoch of 25,000 steps, far longer
+    than the 1.5 s allowed, is cut short (no wall time asserted: this machine's load varies)."""
     x, y = toy(100_000)
     train = ArrayDataSetIterator(x, y, batch_size=4)  # 25,000 steps an epoch: far beyond 1.5 s
     config = EarlyStoppingConfiguration(score_calculator=DataSetLossCalculator(ArrayDataSetIterator(x[:256], y[:256], 256)),
                                         epoch_conditions=[MaxEpochs(100)], iteration_conditions=[MaxTime(1.5)])
     model = MultiLayerNetwork(mlp(), backend="cpu")
-    started = time.monotonic()
     if parallel:
         result = EarlyStoppingParallelTrainer(config, model, train, workers=2).fit()
-        allowance = 12  # worker start-up included
     else:
         result = EarlyStoppingTrainer(config, model, train).fit()
-        allowance = 4
-    assert time.monotonic() - started < allowance
     assert result.termination_reason == "IterationTerminationCondition"
     assert result.termination_details.startswith("MaxTime(1.5 s)")
-    assert result.total_epochs == 0 and model.epoch_count == 0 and model.iteration_count > 0
+    assert result.total_epochs == 0 and model.epoch_count == 0
+    assert 0 < model.iteration_count < len(train)
 
 
 def test_parallel_result_matches_the_single_kind_and_best_model_reproduces_its_score(tmp_path, mnist):

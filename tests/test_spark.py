@@ -202,25 +202,44 @@ def test_a_dataframe_trains_as_its_in_memory_equivalent(spark):
 
 
 @needs_java
-def test_a_failing_rank_fails_the_job_with_its_error(tmp_path):
-    """On local-cluster (ranks in executor processes): rank 1's file has a label the network
-    does not have, so rank 1 fails on its first batch while rank 0 trains on. The job stops,
-    naming rank 1 and its error; the model is as it was, and no process is left behind."""
+def test_local_cluster_ranks_train_exactly_and_a_failing_rank_fails_the_job_with_its_error(tmp_path):
+    """On local-cluster (ranks in executor processes), in one Spark application: a fit over
+    two Parquet files (rank i reads file i) ends with the parameters of spawned workers on
+    the in-memory twin. Then rank 1's file has a label the network does not have, so rank 1
+    fails on its first batch while rank 0 trains on. The job stops, naming rank 1 and its
+    error; the model is as it was, and no process is left behind."""
     import pandas as pd
 
-    folder = tmp_path / "table"
-    folder.mkdir()
-    for part in range(2):
-        x, y = examples(32, seed=part)
-        if part == 1:
-            y[5] = 7
-        frame = pd.DataFrame(x.numpy(), columns=[f"x{i}" for i in range(5)]).assign(y=y.numpy())
-        frame.to_parquet(folder / f"part-{part}.parquet")
+    batch, per_part = 8, 32
+    parts = [examples(per_part, seed=part) for part in range(2)]
+    for name, bad in (("clean", False), ("table", True)):
+        (tmp_path / name).mkdir()
+        for part, (x, y) in enumerate(parts):
+            y = y.clone()
+            if bad and part == 1:
+                y[5] = 7
+            frame = pd.DataFrame(x.numpy(), columns=[f"x{i}" for i in range(5)]).assign(y=y.numpy())
+            frame.to_parquet(tmp_path / name / f"part-{part}.parquet")
     started = time.time()
-    proc = subprocess.run([sys.executable, str(HERE / "spark_failing_rank.py"), str(folder), "local-cluster[2,1,1024]"],
+    proc = subprocess.run([sys.executable, str(HERE / "spark_failing_rank.py"), str(tmp_path / "clean"),
+                           str(tmp_path / "table"), "local-cluster[2,1,1024]"],
                           env={**os.environ, "PYTHONPATH": str(SRC)}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     outcome = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    trained = outcome["trained"]
+    assert trained["examples"] == [64, 64] and (trained["epochs"], trained["iterations"]) == (2, 16)
+    x = torch.cat([p[0] for p in parts])
+    y = torch.cat([p[1] for p in parts])
+    order = torch.cat([torch.arange(part * per_part + r * batch, part * per_part + (r + 1) * batch)
+                       for r in range(per_part // batch) for part in range(2)])
+    reference = network()
+    ParallelWrapper(reference, workers=2, averaging_frequency=2).fit(
+        ArrayDataSetIterator(x[order], y[order], batch_size=batch, shuffle=False), epochs=2)
+    for (name, expected), got in zip(reference.module.named_parameters(), trained["parameters"]):
+        difference = (expected.detach().flatten() - torch.tensor(got)).abs().max().item()
+        assert difference < 1e-6, f"{name} differs by {difference:.2e}"
+
     assert outcome["rank"] == 1, outcome
     assert "label 7" in outcome["detail"] and "Traceback" not in outcome["detail"], outcome
     assert outcome["message"].startswith("worker 1 (device cpu on "), outcome
