@@ -49,7 +49,7 @@ class Model:
         self._stop_reason: str | None = None
         self._train_step = None  # made at the first train_step, for this model's state
         self._gradient_hook = None  # share_gradients: runs between backward and update
-        self._epoch_randomness = None  # train.epoch.EpochRandomness of the epoch in progress
+        self.epoch_randomness = None  # train.epoch.EpochRandomness of the epoch in progress
         self._saved_randomness = None  # its generators' state where an unfinished epoch stopped
         self._channels_last = False  # convolutions in NHWC (environment setting channels_last)
         # The data set copy on the device that fit keeps between calls (DeviceDataSetIterator).
@@ -81,7 +81,7 @@ class Model:
         self.update_count  # pending device counts become a number that pickles anywhere
         state = dict(self.__dict__)
         for name in ("module", "optimizer", "master", "scaler", "_train_step", "_gradient_hook", "backend",
-                     "precision", "device_data", "_epoch_randomness"):
+                     "precision", "device_data", "epoch_randomness"):
             state[name] = None
         return state
 
@@ -258,10 +258,10 @@ class Model:
         """The state of the generators dropout draws from, at the model's position in an
         unfinished epoch (None at an epoch boundary, where (seed, epoch) decide it): what a
         checkpoint keeps so that a run resumed mid-epoch draws the masks it would have."""
-        live = self.__dict__.get("_epoch_randomness")
-        if live is not None and self.batch_in_epoch > 0:
-            return live.snapshot()
-        return self.__dict__.get("_saved_randomness") if self.batch_in_epoch > 0 else None
+        if self.batch_in_epoch == 0:
+            return None
+        live = self.__dict__.get("epoch_randomness")  # absent from models pickled before it existed
+        return live.snapshot() if live is not None else self.__dict__.get("_saved_randomness")
 
     def set_randomness_state(self, state: dict | None) -> None:
         self._saved_randomness = state

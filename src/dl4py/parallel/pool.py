@@ -32,6 +32,7 @@ from dl4py.parallel.messages import Done, Failed, Job, Ready
 from dl4py.parallel.pool_worker import WorkerChannels, spawned_worker_main
 from dl4py.parallel.processes import (
     GRACE_SECONDS,
+    also_stopped,
     children_ignore_stop_signals,
     exit_description,
     is_lost_peer,
@@ -233,11 +234,8 @@ class WorkerPool:
             detail = exit_description(self._procs[rank].exitcode, starting=rank not in self._ready)
         elif kind == "silent":
             detail = "exited without reporting its result (its report could not be sent back; see its stderr)"
-        others = sorted(r for r in failures if r != rank)
-        if others:
-            detail += f"\n(then worker{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} stopped as well)"
         devices = self.layout.devices
-        return WorkerError(rank, devices[rank % len(devices)], detail)
+        return WorkerError(rank, devices[rank % len(devices)], detail + also_stopped(rank, failures))
 
 
 def _shut_down(procs, channels: _Channels, folder, patience: float) -> None:

@@ -63,16 +63,24 @@ def check_world(world: int, devices: list[str], iterator) -> None:
             raise ConfigError("workers", f"is {world} but the streamed data has {pieces} pieces (files or Parquet "
                                          f"row groups) to share out; each worker reads whole pieces: use at most "
                                          f"{pieces} workers, or split the data into more files")
-    batches = None if is_shardable(iterator) else batches_per_epoch(iterator)
-    if batches and world > batches:
-        raise ConfigError("workers", f"is {world} but an epoch has only {batches} batches: every worker needs a "
-                                     f"batch in the first round; use at most {batches} workers or a smaller batch size")
+    check_batches_for_world(world, iterator)
     cpu_workers = sum(1 for rank in range(world) if devices[rank % len(devices)] == "cpu")
     cores = os.cpu_count() or 1
     if cpu_workers > CPU_WORKERS_PER_CORE * cores:
         raise ConfigError("workers", f"is {world}, which puts {cpu_workers} workers on the CPU of a machine with "
                                      f"{cores} cores; use at most {CPU_WORKERS_PER_CORE * cores} "
                                      f"({CPU_WORKERS_PER_CORE} per core)")
+
+
+def check_batches_for_world(world: int, iterator) -> None:
+    """Every worker needs a batch in the first round: refuse more workers than an epoch has
+    batches (a streamed source's pieces are counted where it is shared out)."""
+    if is_shardable(iterator):
+        return
+    batches = batches_per_epoch(iterator)
+    if batches and world > batches:
+        raise ConfigError("workers", f"is {world} but an epoch has only {batches} batches: every worker needs a "
+                                     f"batch in the first round; use at most {batches} workers or a smaller batch size")
 
 
 def process_group_backend(devices: list[str], world: int) -> str:

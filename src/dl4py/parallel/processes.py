@@ -31,6 +31,14 @@ def is_lost_peer(trace: str) -> bool:
     return any(sign in trace for sign in LOST_PEER_SIGNS)
 
 
+def also_stopped(rank: int, failures) -> str:
+    """The line a root cause's report ends with when other workers failed after it."""
+    others = sorted(r for r in failures if r != rank)
+    if not others:
+        return ""
+    return f"\n(then worker{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} stopped as well)"
+
+
 def stop_all(procs, patience: float) -> None:
     """Give the workers ``patience`` seconds to exit, then kill what still runs; nothing is
     left behind. (Workers ignore SIGTERM, which a process group's stop sends them too, so

@@ -67,7 +67,7 @@ def train_task(job: TaskJob):
         return None
     from dl4py.nn.serialization import model_bytes
 
-    return {"model": model_bytes(model), "summaries": [s.to_dict() for s in history]}
+    return {"model": model_bytes(model), "summaries": list(history)}
 
 
 def _replica(job: TaskJob):

@@ -25,13 +25,14 @@ from dl4py.nn.model import Model
 from dl4py.nn.serialization import model_bytes, restore_state
 from dl4py.parallel.events import EventReplay
 from dl4py.parallel.messages import Failed
-from dl4py.parallel.processes import is_lost_peer
+from dl4py.parallel.preflight import check_batches_for_world
+from dl4py.parallel.processes import also_stopped, is_lost_peer
 from dl4py.spark.data import rank_source
 from dl4py.spark.events import EventServer
 from dl4py.spark.task import TaskJob, train_task
 from dl4py.spark.session import check_slots
 from dl4py.train.history import History
-from dl4py.train.loop import EpochSummary, TrainingInterrupted
+from dl4py.train.loop import TrainingInterrupted
 
 log = logging.getLogger("dl4py")
 
@@ -87,7 +88,7 @@ class SparkTrainer:
         before = model_bytes(model)
         with rank_source(data, model, self.workers, label=label, features=features, batch_size=batch_size,
                          shuffle_buffer=shuffle_buffer, seed=seed, staging_dir=self.staging_dir) as source:
-            _check_batches(source, self.workers)
+            check_batches_for_world(self.workers, source)  # each rank reads whole pieces of a table
             _check_picklable(data=source, validation=validation)
             torch_model = _torch_model(model)
             replay = EventReplay(model, listeners)
@@ -108,7 +109,7 @@ class SparkTrainer:
                     replay.abandon(before)
         restore_state(model, result["model"])
         replay.fit_end(False)
-        return History(_summary(d) for d in result["summaries"])
+        return History(result["summaries"])
 
     def _session(self):
         if self.spark is not None:
@@ -214,10 +215,7 @@ def _root_cause(failures: dict[int, Failed]) -> WorkerError:
     detail = failed.traceback if failed.user_error else f"raised an exception:\n{failed.traceback}"
     if _lost_peer(failed):
         detail += "\n(a peer went away without a report of its own: look at the executors' logs)"
-    others = sorted(r for r in failures if r != rank)
-    if others:
-        detail += f"\n(then worker{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} stopped as well)"
-    return WorkerError(rank, failed.device, detail)
+    return WorkerError(rank, failed.device, detail + also_stopped(rank, failures))
 
 
 def _task_cpus(spark) -> int:
@@ -232,17 +230,6 @@ def _task_cpus(spark) -> int:
 def _first_lines(exc: BaseException, lines: int = 3) -> str:
     text = str(exc).strip().splitlines()
     return " ".join(line.strip() for line in text[:lines]) or type(exc).__name__
-
-
-def _check_batches(source, workers: int) -> None:
-    from dl4py.parallel.sources import batches_per_epoch, is_shardable
-
-    if is_shardable(source):
-        return  # pieces were counted when it was made
-    batches = batches_per_epoch(source)
-    if workers > batches:
-        raise ConfigError("workers", f"is {workers} but an epoch has only {batches} batches: every rank needs a "
-                                     f"batch in the first round; use at most {batches} workers or a smaller batch size")
 
 
 def _torch_model(model):
@@ -272,9 +259,3 @@ def _check_picklable(**values) -> None:
             cloudpickle.dumps(value)
         except Exception as exc:
             raise ConfigError(name, f"must be picklable to reach the Spark executors: {exc}") from None
-
-
-def _summary(d: dict) -> EpochSummary:
-    import dataclasses
-
-    return EpochSummary(**{f.name: d[f.name] for f in dataclasses.fields(EpochSummary) if f.name in d})

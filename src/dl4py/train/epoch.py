@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from dl4py.errors import TrainingError
+from dl4py.train.history import current_learning_rate
 
 
 @dataclass
@@ -74,8 +75,6 @@ class EpochTally:
         examples = self.examples if examples is None else examples
         loss_sum = float(self.loss_sum) if loss_sum is None else loss_sum
         mean = loss_sum / batches if batches else float("nan")
-        from dl4py.train.history import current_learning_rate
-
         return EpochSummary(self.epoch, batches, examples, mean, time.perf_counter() - self.started,
                             completed=completed, learning_rate=current_learning_rate(self.model))
 
@@ -125,19 +124,18 @@ class EpochRandomness:
         if self.cuda is not None:
             with torch.cuda.device(self.cuda):
                 torch.cuda.manual_seed(value)
-        saved = self.model.__dict__.get("_saved_randomness")
-        position = (self.epoch, self.model.batch_in_epoch, self.stream)
-        if saved is not None and self.model.batch_in_epoch > 0 and tuple(saved["position"]) == position:
+        saved = self.model.randomness_state()  # None at an epoch boundary
+        if saved is not None and tuple(saved["position"]) == (self.epoch, self.model.batch_in_epoch, self.stream):
             self._set(saved)  # resumed where the state was taken: go on drawing from it
-        self.model._saved_randomness = None
-        self.model._epoch_randomness = self
+        self.model.set_randomness_state(None)
+        self.model.epoch_randomness = self
         return self
 
     def __exit__(self, *exc) -> None:
         model = self.model
-        model._epoch_randomness = None
+        model.epoch_randomness = None
         unfinished = model.epoch_count == self.epoch and model.batch_in_epoch > 0
-        model._saved_randomness = self.snapshot() if unfinished else None
+        model.set_randomness_state(self.snapshot() if unfinished else None)
         self._fork.__exit__(*exc)
 
     def snapshot(self) -> dict:
