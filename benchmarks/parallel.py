@@ -71,13 +71,13 @@ def throughput(args, config, kind: str, data, device_name: str) -> None:
     rows = []
     single = MultiLayerNetwork(config, backend=args.device)
     rows.append({"trainer": "single device (no wrapper)", "workers": 1,
-                 "samples_per_second": rate(single.fit(data, epochs=args.epochs)), "startup_seconds": 0.0})
+                 "samples_per_second": rate(single.fit(data, epochs=args.epochs, verbose=0)), "startup_seconds": 0.0})
     for workers in counts:
         model = MultiLayerNetwork(config, backend=args.device)
         wrapper = ParallelWrapper(model, workers=workers, averaging_frequency=args.averaging_frequency,
                                   prefetch_buffer=16)
         started = time.perf_counter()
-        summaries = wrapper.fit(data, epochs=args.epochs)
+        summaries = wrapper.fit(data, epochs=args.epochs, verbose=0)
         wall = time.perf_counter() - started
         rows.append({"trainer": "ParallelWrapper", "workers": workers, "samples_per_second": rate(summaries),
                      "startup_seconds": wall - sum(s.seconds for s in summaries)})
@@ -112,7 +112,7 @@ def repeated_fits(args, config, kind: str, data, device_name: str, workers: int 
         started = time.perf_counter()
         with ParallelWrapper(model, workers=workers, averaging_frequency=args.averaging_frequency) as wrapper:
             for _ in range(epochs):
-                wrapper.fit(data, epochs=1)
+                wrapper.fit(data, epochs=1, verbose=0)
         assert wrapper._pool.starts == 1, "the workers were started more than once"
         return time.perf_counter() - started
 
@@ -120,7 +120,7 @@ def repeated_fits(args, config, kind: str, data, device_name: str, workers: int 
         model = MultiLayerNetwork(config, backend=args.device)
         started = time.perf_counter()
         with ParallelWrapper(model, workers=workers, averaging_frequency=args.averaging_frequency) as wrapper:
-            wrapper.fit(data, epochs=epochs)
+            wrapper.fit(data, epochs=epochs, verbose=0)
         return time.perf_counter() - started
 
     contestants = {f"{epochs} x fit(epochs=1)": one_fit_per_epoch, f"1 x fit(epochs={epochs})": one_fit}

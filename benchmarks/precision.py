@@ -55,7 +55,7 @@ def measure(config, precision: str, backend: str, batch: int, steps: int, window
     data = dl4py.ArrayDataSetIterator(x.cpu(), y.cpu(), batch_size=batch, shuffle=False)
     # Whole-device data so the figure is the step, not the host-to-device copy.
     batches = [net._prepare(b) for b in data]
-    net.fit(data, epochs=1)  # builds the step, warms kernels and the allocator
+    net.fit(data, epochs=1, verbose=0)  # builds the step, warms kernels and the allocator
     step = net._train_step
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)  # its GPU, not cuda:0
     if device.type == "cuda":

@@ -84,7 +84,7 @@ def dl4py_row(config, data, device, precision: str, mode: str, epochs: int) -> t
         torch._dynamo.reset()  # a fresh compile per row: dynamo stops recompiling after a few
     with settings(**MODES[mode]):  # read when the model builds its step
         net = MultiLayerNetwork(config, backend=backend, precision=precision).init()
-        return timed_epochs(lambda: net.fit(data, epochs=1), device, epochs)
+        return timed_epochs(lambda: net.fit(data, epochs=1, verbose=0), device, epochs)
 
 
 def main() -> None:

@@ -67,7 +67,7 @@ def train_to_target(net, data, test_x, test_y, args, device) -> dict:
     sync(device)
     start = time.perf_counter()
     for epoch in range(args.epochs):
-        net.fit(data, epochs=1)
+        net.fit(data, epochs=1, verbose=0)
         acc = accuracy(net, test_x, test_y)
         evaluations.append({"epoch": epoch + 1, "seconds": time.perf_counter() - start, "accuracy": acc})
         if acc >= args.target:

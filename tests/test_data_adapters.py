@@ -187,13 +187,14 @@ def test_an_iterable_dataset_streams_without_a_length_and_the_progress_bar_copes
         def iteration_done(self, model, iteration, epoch, loss, batch_size):
             ahead.append(data.produced - 16 * iteration)
 
-    net, bar = MultiLayerNetwork(mlp()), ProgressBar(1, None, stream=io.StringIO(), interval=0)
+    shown = io.StringIO()
+    net, bar = MultiLayerNetwork(mlp()), ProgressBar(1, None, stream=shown, interval=0)
     seen = Seen(net, scale=1024)
     history = net.fit(iterator, listeners=[Lazy(), bar])
     assert list(history.history["examples"]) == [200]
     assert seen.epochs[0] == list(range(200))
     assert max(ahead) <= 16  # read batch by batch, never the whole stream
-    assert "13 batches" in bar.stream.getvalue()
+    assert "13 batches" in shown.getvalue()
     assert len(iterator) == 13 and iterator.total_examples() == 200  # known after a pass
 
 

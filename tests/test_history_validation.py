@@ -202,6 +202,7 @@ def test_a_run_with_early_stopping_ranks_on_validation_and_tests_once(tmp_path, 
     assert stopping["best_model_epoch"] == max(range(3), key=lambda e: (scores[e], -e))
     assert result["val_accuracy"] == pytest.approx(max(scores), abs=1e-12)  # the best model's, kept
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if r["kind"] not in ("static", "stats")]  # the StatsListener's own
     assert [r["kind"] for r in records] == ["epoch", "epoch", "epoch", "evaluation"]  # the test set once
     assert [r["val_accuracy"] for r in records[:3]] == history["val_accuracy"]
     assert all("test_accuracy" not in r for r in records[:3])

@@ -22,14 +22,19 @@ def tiny_net():
 DATA = (torch.rand(100, 5), torch.randint(0, 3, (100,)))
 
 
-def test_progress_bar_shows_batches_speed_and_eta():
+def test_progress_bar_shows_batches_loss_validation_speed_and_eta():
     stream = io.StringIO()
     net = tiny_net()
-    net.fit(DATA, epochs=2, batch_size=10, listeners=[ProgressBar(2, 10, stream=stream, interval=0.0)])
-    text = stream.getvalue()
-    assert "epoch 1/2" in text and "epoch 2/2" in text
-    assert "10/10" in text and "ETA 0:00:00" in text and "it/s" in text
-    assert text.count("\n") == 2  # one finished line per epoch
+    net.fit(DATA, epochs=2, batch_size=10, validation=DATA,
+            listeners=[ProgressBar(2, 10, stream=stream, interval=0.0)])  # and no second one of verbose's
+    lines = stream.getvalue().split("\n")
+    assert len(lines) == 3 and lines[-1] == ""  # one finished line per epoch
+    shown = [line.rsplit("\r", 1)[-1] for line in lines[:-1]]  # what stays on screen
+    assert shown[0].startswith("epoch 1/2 100%|") and shown[1].startswith("epoch 2/2 100%|"), shown
+    for line in shown:  # elapsed<ETA, speed, the epoch's loss and the validation scores
+        assert "| 10/10 [" in line and "<00:00, " in line and " samples/s, loss " in line, line
+        assert ", val_loss " in line and ", val_accuracy " in line, line
+    assert "val_accuracy" in lines[1].split("\r")[2]  # epoch 1's scores, shown while epoch 2 runs
 
 
 def test_performance_listener_measures_throughput():
@@ -66,7 +71,8 @@ def test_listeners_count_iterations_that_move_by_more_than_one(tmp_path):
         for listener in listeners:
             listener.iteration_done(net, iteration, 0, torch.tensor(0.5), 10 * (iteration % 2 or 2))
     metrics.on_fit_end(net, False)
+    bar.on_fit_end(net, False)
     assert [i for i, _ in score.history] == [4, 6, 9]
     assert [json.loads(line)["iteration"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [4, 6, 9]
-    assert "9/9" in stream.getvalue()  # drawn at the end of the epoch, whatever the interval
+    assert "| 9/9 [" in stream.getvalue()  # drawn at the end of the epoch, whatever the interval
     assert speed.samples_per_second / speed.batches_per_second == pytest.approx(10)

@@ -91,7 +91,9 @@ def test_a_second_writer_is_refused_naming_the_holder_and_the_first_run_is_intac
     out = tmp_path / "run"
     first = start("train", long_run, "--output", out, "--no-progress")
     try:
-        wait_for(lambda: (out / "metrics.jsonl").is_file(), what="the first run's first epoch")
+        metrics = out / "metrics.jsonl"  # written from the fit's start on: wait for an epoch record
+        wait_for(lambda: metrics.is_file() and '"kind": "epoch"' in metrics.read_text(),
+                 what="the first run's first epoch")
         before = (out / "config.yaml").read_text()
         second = dl4py("train", other, "--output", out, "--no-progress")
         one_line_error(second, str(out), f"in use by process {first.pid}")
@@ -104,6 +106,7 @@ def test_a_second_writer_is_refused_naming_the_holder_and_the_first_run_is_intac
     assert first.returncode == 130, stderr
     assert (out / "config.yaml").read_text() == before and "learning_rate: 0.1" in before
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if r["kind"] == "epoch"]
     assert [r["epoch"] for r in records] == list(range(len(records)))  # one writer: one epoch sequence
     result = json.loads((out / "result.json").read_text())
     assert result["status"] == "interrupted" and "checkpoint.dl4py" in result["saved"]

@@ -5,6 +5,7 @@
                             [--training-mode averaging|shared_gradients]
                             [--launcher spawn|torchrun|spark] [--spark-master URL]
                             [--output DIR] [--resume] [--set key=value ...]
+                            [--verbose 0|1|2 | --no-progress]
     dl4py evaluate MODEL [--config CONFIG] [--limit N] [--backend B] [--precision P] [--json]
     dl4py summary CONFIG
     dl4py info [--json]
@@ -14,6 +15,8 @@
                             [--devices all|cpu|0,1] [--per-device K] [--metric M]
                             [--output DIR] [--resume] [--set key=value ...]
     dl4py bench [overhead|throughput|time-to-accuracy|all] [--device auto|cpu|gpu] [--quick]
+    dl4py ui RUN_DIR... | SWEEP_DIR [--host 127.0.0.1] [--port 9000]
+    dl4py report RUN_DIR | SWEEP_DIR [--output FILE]
 
 Flags are shorthands for ``--set`` on the same keys, so every value is type-checked by
 the config schema. Errors print one line naming the key, layer or file at fault
@@ -26,6 +29,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -55,7 +59,11 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue the run in --output from its checkpoint")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override any config key, e.g. --set network.updater.learning_rate=0.02")
-    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    shown = train.add_mutually_exclusive_group()
+    shown.add_argument("--verbose", type=int, choices=[0, 1, 2],
+                       help="what the console shows: 0 nothing, 1 a progress bar, 2 a line per epoch "
+                            "(default: a bar on a terminal, else a line per epoch)")
+    shown.add_argument("--no-progress", action="store_true", help="show no progress (--verbose 0)")
 
     evaluate = sub.add_parser("evaluate", help="evaluate a saved model on its test data")
     evaluate.add_argument("model", type=Path, help="a model file, or a run directory")
@@ -100,6 +108,15 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("--output", type=Path, help="sweep folder (default: sweeps/<config>-<time>)")
     sweep.add_argument("--resume", action="store_true", help="run what is unfinished in the sweep in --output")
 
+    ui = sub.add_parser("ui", help="DL4J's training UI: a local web page of runs or a sweep, live while they train")
+    ui.add_argument("paths", type=Path, nargs="+", metavar="RUN_DIR", help="run directories, or one sweep folder")
+    ui.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    ui.add_argument("--port", type=int, default=9000, help="port (default 9000, as DL4J; 0: any free port)")
+
+    report = sub.add_parser("report", help="one self-contained HTML file of a run or a sweep (charts inside)")
+    report.add_argument("path", type=Path, metavar="RUN_DIR", help="a run directory or a sweep folder")
+    report.add_argument("--output", type=Path, help="the HTML file (default: report.html in RUN_DIR)")
+
     bench = sub.add_parser("bench", help="speed benchmarks (from a source checkout): JSON + markdown in benchmarks/results")
     bench.add_argument("which", nargs="?", default="all", choices=["overhead", "throughput", "time-to-accuracy", "all"])
     bench.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"])
@@ -122,11 +139,42 @@ def _batch_size(text: str) -> int | str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command ``argv`` (default: this process's arguments); its exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # here rather than at exit, where a reader gone away could not be caught
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """The reader of our output went away (``dl4py info | head -1``): end quietly, with
+    141, the status of a tool that SIGPIPE ended (``yes`` in ``yes | head -1``). A script
+    with ``set -o pipefail`` sees what it sees of any such tool, and output cut short is
+    not taken for whole output. The broken stream points at /dev/null, so that what is
+    still buffered for it goes nowhere instead of into a second error at exit."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BrokenPipeError:
+            os.dup2(devnull, stream.fileno())
+        except (OSError, ValueError):  # closed, or no file behind it
+            pass
+    os.close(devnull)
+    return 141
+
+
+def _main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    args.argv = argv  # the command as typed, for the one that continues an interrupted run
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     debug = args.debug or os.environ.get("DL4PY_DEBUG", "") not in ("", "0")
     commands = {"train": _train, "evaluate": _evaluate, "summary": _summary, "info": _info,
-                "sweep": _sweep, "memory": _memory, "bench": _bench}
+                "sweep": _sweep, "memory": _memory, "bench": _bench, "ui": _ui, "report": _report}
     # A problem with the user's input or machine is one line; a bug of dl4py's own keeps
     # its traceback. --debug (or DL4PY_DEBUG=1) shows the traceback of everything.
     # SIGTERM outside a fit (reading data, evaluating) stops as Ctrl-C does; a fit defers
@@ -144,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"dl4py {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        raise  # not an error of the command's: main ends quietly
     except OSError as exc:
         if debug:
             raise
@@ -162,6 +212,7 @@ def _os_error_text(exc: OSError) -> str:
 
 def _train(args) -> int:
     from dl4py.config import RunConfig
+    from dl4py.run_dir import CHECKPOINT
     from dl4py.runner import train_run
     from dl4py.train import TrainingInterrupted
 
@@ -177,10 +228,13 @@ def _train(args) -> int:
     try:
         result = train_run(
             config, output=args.output, resume=args.resume, config_name=args.config.stem,
-            progress=False if args.no_progress else None, launcher=args.launcher, spark_master=args.spark_master,
+            progress=0 if args.no_progress else args.verbose, launcher=args.launcher,
+            spark_master=args.spark_master,
         )
     except TrainingInterrupted as exc:
         print(f"dl4py train: {exc}", file=sys.stderr)
+        if exc.run_dir is not None and (Path(exc.run_dir) / CHECKPOINT).is_file():
+            print(f"dl4py train: to continue: {_resume_command(args.argv, exc.run_dir)}", file=sys.stderr)
         return 130
     if os.environ.get("RANK", "0") != "0" and result.get("launcher") == "torchrun":
         return 0  # rank 0 tells of the run it wrote
@@ -191,6 +245,22 @@ def _train(args) -> int:
         print(f"test accuracy {accuracy:.4f} after {epochs} epoch{'' if epochs == 1 else 's'}; "
               f"run directory {result['run_dir']}", file=sys.stderr)
     return 0
+
+
+def _resume_command(argv: list[str], run_dir) -> str:
+    """The command that continues an interrupted run: this one's words as typed (its config,
+    flags and --set overrides), quoted for a shell, with ``--output RUN_DIR --resume``."""
+    words, skip_value = [], False
+    for word in map(str, argv):
+        if skip_value:
+            skip_value = False
+            continue
+        name = word.split("=", 1)[0]
+        if len(name) > 2 and name.startswith("--") and "--output".startswith(name):  # argparse takes a prefix
+            skip_value = "=" not in word
+        elif not (len(name) > 2 and name.startswith("--") and "--resume".startswith(name)):
+            words.append(word)
+    return shlex.join(["dl4py", *words, "--output", str(run_dir), "--resume"])
 
 
 def _sweep(args) -> int:
@@ -310,6 +380,20 @@ def _bench(args) -> int:
     if failed:
         print(f"dl4py bench: error: {', '.join(failed)} failed (its output is above)", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _ui(args) -> int:
+    from dl4py.monitor.server import serve
+
+    serve(args.paths, host=args.host, port=args.port, announce=lambda line: print(line, flush=True))
+    return 0
+
+
+def _report(args) -> int:
+    from dl4py.monitor.report import write_report
+
+    print(write_report(args.path, args.output))
+    return 0
 
 
 def _info(args) -> int:

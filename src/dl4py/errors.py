@@ -70,3 +70,15 @@ class DataSizeError(DataError, ValueError):
 class LabelError(DataError, ValueError):
     """A label or prediction cannot be scored (a class index out of range, a NaN). Also a
     ValueError, as it was before it had its own class."""
+
+
+class MissingDependencyError(DL4PyError, ImportError):
+    """An optional package that a feature needs is not installed; says what to ``pip install``.
+    Also an ImportError, which is what a caller catching a missing package expects."""
+
+    def __init__(self, what: str, package: str, extra: str):
+        self.what, self.package, self.extra = what, package, extra
+        super().__init__(f"{what} needs the '{package}' package: pip install \"dl4py[{extra}]\"")
+
+    def __reduce__(self):
+        return type(self), (self.what, self.package, self.extra)

@@ -82,4 +82,4 @@ def fit_on_spark(launcher: Launcher, model, options: dict, train, epochs: int, l
 
     with spark_session(launcher.spark_master, workers=options["workers"]) as spark:
         trainer = SparkTrainer(model, spark=spark, use_gpu=use_gpu, **options)
-        return trainer.fit(train, epochs, listeners, validation=validation)
+        return trainer.fit(train, epochs, listeners, validation=validation, verbose=0)  # the runner's own

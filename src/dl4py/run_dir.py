@@ -72,6 +72,7 @@ class RunRecord:
         self.model = None
         self.early_stopping = None
         self.training_started = False
+        self.logging = None  # the run's RunLogging (TensorBoard, MLflow), ended however the run ends
 
     def failed(self, exc: BaseException, fields: dict) -> None:
         """Write ``result.json``: status failed, the reason, ``fields`` (what is known of the

@@ -3,16 +3,16 @@
 The directory holds ``config.yaml`` (the resolved config), ``environment.json``
 (versions, device), ``metrics.jsonl`` (written as training goes), ``checkpoint.dl4py``
 (latest state, for ``--resume``), ``model.dl4py`` (the final model),
-``evaluation.txt`` and ``result.json``. ``dl4py train`` is a thin layer over ``train_run``.
+``evaluation.txt`` and ``result.json``; with the config's ``logging`` section, ``report.html``,
+``tensorboard/`` and ``mlflow.json`` (``monitor/run_logging.py``). ``dl4py train`` is a thin
+layer over ``train_run``.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import platform
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,17 +25,18 @@ from dl4py.data.from_config import make_iterators, make_validation
 from dl4py.errors import ConfigError, TrainingError
 from dl4py.io import atomic_write_json, atomic_write_text
 from dl4py.launchers import choose_launcher, fit_on_spark
+from dl4py.monitor.environment import environment_record
+from dl4py.monitor.run_logging import RunLogging, class_fields
 from dl4py.nn.network import MultiLayerNetwork
 from dl4py.nn.loading import load
 from dl4py.resume import check_resume
 from dl4py.run_dir import CHECKPOINT, MODEL, RunRecord, prepare_run_dir, remove_new_run, saved_files
 from dl4py.train.listeners import (
     CheckpointListener,
-    MetricsLogger,
     PerformanceListener,
-    ProgressBar,
     ScoreIterationListener,
 )
+from dl4py.train.progress import batches_of, console_listeners
 from dl4py.train.history import History
 from dl4py.train.loop import TrainingInterrupted
 from dl4py.train.validation import EpochValidation, validation_record
@@ -63,32 +64,12 @@ def _attach_normalizer(model, data: DataConfig, train, resumed: bool) -> None:
         log.info("fitted %s on the training data in %.1f s", model.normalizer, time.perf_counter() - started)
 
 
-def environment_record(model) -> dict:
-    device = model.backend.device
-    record = {
-        "dl4py": __import__("dl4py").__version__,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_threads": torch.get_num_threads(),
-        "backend": model.backend.name,
-        "backend_reason": model.backend.reason,
-        "device": str(device),
-        "precision": model.precision.name,
-        "cuda": torch.version.cuda,
-        "environment": environment().to_dict(),
-    }
-    if device.type == "cuda":
-        record["device_name"] = torch.cuda.get_device_name(device)
-    return record
-
-
 def train_run(
     config: RunConfig,
     output: str | Path | None = None,
     resume: bool = False,
     config_name: str = "run",
-    progress: bool | None = None,
+    progress: bool | int | str | None = None,
     launcher: str | None = None,
     spark_master: str | None = None,
 ) -> dict:
@@ -98,7 +79,9 @@ def train_run(
     it says so: ``result.json`` has ``status`` completed, interrupted or failed (with the
     reason and what was saved); a run that fails before training starts leaves no
     directory behind that it created. ``launcher``: who starts the ranks of a parallel
-    run, ``spawn``, ``torchrun`` or ``spark`` (on ``spark_master``); see ``launchers.py``."""
+    run, ``spawn``, ``torchrun`` or ``spark`` (on ``spark_master``); see ``launchers.py``.
+    ``progress``: the console output, as ``fit``'s ``verbose``: 0 (False) none, 1 (True) a
+    progress bar, 2 a line per epoch, None or "auto" a bar on a terminal, else lines."""
     launch, config = choose_launcher(launcher, spark_master, config)
     if launch.rank != 0:
         return _train_beside_rank0(config, output, resume, config_name, launch)
@@ -129,9 +112,11 @@ def _train_run(config: RunConfig, output, resume: bool, config_name: str, progre
     record = RunRecord(run_dir, config, started)
     try:
         return _train_locked(config, run_dir, resume, progress, record, launch)
-    except TrainingInterrupted:
+    except TrainingInterrupted as exc:
+        _end_logging(record, exc)
         raise  # its result.json is written where it was caught
     except BaseException as exc:
+        _end_logging(record, exc)
         if record.training_started:
             record.failed(exc, {"launcher": launch.name, **_known_fields(record)})
         elif not resume:
@@ -165,12 +150,17 @@ def _train_locked(config: RunConfig, run_dir: Path, resume: bool, progress, reco
     record.config, record.model = config, model
 
     epochs_left = max(config.training.epochs - model.epoch_count, 0)
-    metrics = MetricsLogger(run_dir / "metrics.jsonl", every=config.training.score_every)
-    listeners = [metrics, PerformanceListener(report=False), CheckpointListener(checkpoint)]
+    # metrics.jsonl, and TensorBoard and MLflow when asked for: opened last, just before training
+    record.logging = RunLogging(config.logging, run_dir, config, resume, primary=launch.rank == 0)
+    stats = record.logging.listener(score_every=config.training.score_every)
+    listeners = [stats, PerformanceListener(report=False), CheckpointListener(checkpoint)]
     if config.training.score_every:
         listeners.append(ScoreIterationListener(config.training.score_every))
-    if progress if progress is not None else sys.stderr.isatty():
-        listeners.append(ProgressBar(epochs_left, len(train)))
+    # The run's own epoch numbers: after a resume at epoch 1 of 2 the bar says "epoch 2/2".
+    section = config.training.early_stopping
+    to_train = epochs_left if section is None else section.max_epochs or config.training.epochs
+    listeners += console_listeners("auto" if progress is None else progress, model.epoch_count + to_train,
+                                   batches_of(train))
 
     result = {"status": "running", "run_dir": str(run_dir), "launcher": launch.name}
     stopping = None
@@ -184,7 +174,8 @@ def _train_locked(config: RunConfig, run_dir: Path, resume: bool, progress, reco
             result["early_stopping"] = {**stopping.to_dict(),
                                         "score_set": "validation" if validation is not None else "test"}
             record.early_stopping = result["early_stopping"]
-    except TrainingInterrupted:
+    except TrainingInterrupted as exc:
+        exc.run_dir = run_dir  # for the command that continues it
         result.update(result_fields(config, model, [], None, record.started), status="interrupted",
                       saved=saved_files(run_dir))
         atomic_write_json(run_dir / "result.json", result)
@@ -197,7 +188,8 @@ def _train_locked(config: RunConfig, run_dir: Path, resume: bool, progress, reco
     model.save(run_dir / MODEL)
     if evaluation is not None:
         atomic_write_text(run_dir / "evaluation.txt", evaluation.stats())
-        metrics.write({"kind": "evaluation", "epoch": model.epoch_count, **_eval_fields(evaluation)})
+        stats.write({"kind": "evaluation", "epoch": model.epoch_count, **_eval_fields(evaluation),
+                     **class_fields(evaluation)})
     if validation is not None:  # the run's model on the held-out data (what a sweep ranks by)
         # Without early stopping that model is the last epoch's, scored already.
         last = summaries[-1].validation if stopping is None and summaries else None
@@ -206,7 +198,14 @@ def _train_locked(config: RunConfig, run_dir: Path, resume: bool, progress, reco
     result.update(result_fields(config, model, summaries, evaluation, record.started), **trained,
                   history=History(summaries).to_dict(), status="completed")
     atomic_write_json(run_dir / "result.json", result)
+    record.logging.finish()  # report.html, MLflow's artifacts and the end of its run
     return result
+
+
+def _end_logging(record: RunRecord, exc: BaseException) -> None:
+    """A run stopped on ``exc``: its TensorBoard and MLflow storages closed, MLflow told how."""
+    if record.logging is not None:
+        record.logging.end(exc)
 
 
 def _known_fields(record: RunRecord) -> dict:
@@ -261,7 +260,7 @@ def _resolve_batch_size(config: RunConfig, model, train, resumed_dir: Path | Non
 
 def _fit(model, training, train, epochs: int, listeners: list, validation, launch):
     if training.workers == 1 and launch.name != "spark":
-        return model.fit(train, epochs=epochs, listeners=listeners, validation=validation)
+        return model.fit(train, epochs=epochs, listeners=listeners, validation=validation, verbose=0)
     if epochs == 0:
         return []
     options, worker_listeners = _parallel_options(training, listeners)
@@ -271,7 +270,7 @@ def _fit(model, training, train, epochs: int, listeners: list, validation, launc
     from dl4py.parallel import ParallelWrapper
 
     return ParallelWrapper(model, **options).fit(train, epochs=epochs, listeners=worker_listeners,
-                                                 validation=validation)
+                                                 validation=validation, verbose=0)
 
 
 def _parallel_options(training, listeners: list) -> tuple[dict, list]:
@@ -322,9 +321,10 @@ def _fit_early_stopping(model, config: RunConfig, train, validation, test, run_d
         evaluate_every_n_epochs=section.evaluate_every_n_epochs,
     )
     if training.workers == 1:
-        return EarlyStoppingTrainer(es_config, model, train, listeners=listeners).fit()
+        return EarlyStoppingTrainer(es_config, model, train, listeners=listeners).fit(verbose=0)
     options, worker_listeners = _parallel_options(training, listeners)
-    return EarlyStoppingParallelTrainer(es_config, model, train, listeners=worker_listeners, **options).fit()
+    trainer = EarlyStoppingParallelTrainer(es_config, model, train, listeners=worker_listeners, **options)
+    return trainer.fit(verbose=0)
 
 
 def _eval_fields(evaluation) -> dict:

@@ -13,7 +13,7 @@ from dl4py.config.layers import (
     SubsamplingLayer,
 )
 from dl4py.config.network import NetworkConfig
-from dl4py.config.run import DataConfig, EnvironmentConfig, RunConfig, TrainingConfig
+from dl4py.config.run import DataConfig, EnvironmentConfig, LoggingConfig, RunConfig, TrainingConfig
 from dl4py.config.schedules import (
     ExponentialSchedule,
     OneCycleSchedule,
@@ -26,7 +26,7 @@ from dl4py.config.updaters import Adam, AdamW, Nesterovs, RmsProp, Sgd, Updater
 __all__ = [
     "ActivationLayer", "Adam", "AdamW", "BatchNormalization", "Convolutional", "ConvolutionalFlat",
     "ConvolutionLayer", "DataConfig", "DenseLayer", "DropoutLayer", "EnvironmentConfig",
-    "ExponentialSchedule", "FeedForward", "GlobalPoolingLayer", "InputType", "Layer", "Nesterovs",
+    "ExponentialSchedule", "FeedForward", "GlobalPoolingLayer", "InputType", "Layer", "LoggingConfig", "Nesterovs",
     "NetworkConfig", "OneCycleSchedule", "OutputLayer", "PolySchedule", "RmsProp", "RunConfig",
     "Schedule", "Sgd", "StepSchedule", "SubsamplingLayer", "TrainingConfig", "Updater",
 ]

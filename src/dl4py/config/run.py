@@ -1,7 +1,8 @@
-"""RunConfig: everything one training run needs, in four sections.
+"""RunConfig: everything one training run needs, in five sections.
 
 ``network`` (the NetworkConfig), ``data`` (which data set, limits), ``training`` (epochs,
-batch size, backend, precision, workers) and ``environment`` (CUDA environment knobs).
+batch size, backend, precision, workers), ``environment`` (CUDA environment knobs) and
+``logging`` (where the run's stats go besides ``metrics.jsonl``: TensorBoard, MLflow).
 It is what ``dl4py train CONFIG.yaml`` reads, and what a run directory records.
 Any key can be overridden with ``key=value`` strings (``--set`` on the command line),
 type-checked against the same schema as the file.
@@ -277,11 +278,36 @@ class EnvironmentConfig(ConfigBase):
 
 
 @dataclass(frozen=True)
+class LoggingConfig(ConfigBase):
+    """``logging``: what a run records as it trains (docs/monitoring.md). ``metrics.jsonl`` in
+    the run directory always gets the StatsListener's records; TensorBoard event files and an
+    MLflow run are added on request."""
+
+    stats_every: int = 10  # iterations between stats records: score, update ratios, memory (0: none)
+    tensorboard: bool | str = False  # true: RUN_DIR/tensorboard; or a folder of one's own
+    mlflow: Optional[str] = None  # a tracking URI: sqlite:///mlflow.db, http://127.0.0.1:5000, a folder
+    mlflow_experiment: str = "dl4py"
+    report: bool = True  # write RUN_DIR/report.html when the run completes
+
+    def validate(self, where: str) -> None:
+        if self.stats_every < 0:
+            raise ConfigError(join(where, "stats_every"), f"must be zero or more iterations, got {self.stats_every}")
+        if isinstance(self.tensorboard, str) and not self.tensorboard.strip():
+            raise ConfigError(join(where, "tensorboard"), "must be true, false or a folder, got an empty string")
+        if self.mlflow is not None and not self.mlflow.strip():
+            raise ConfigError(join(where, "mlflow"), "must be a tracking URI (e.g. sqlite:///mlflow.db) or null, "
+                                                     "got an empty string")
+        if not self.mlflow_experiment.strip():
+            raise ConfigError(join(where, "mlflow_experiment"), "must name an MLflow experiment, got an empty string")
+
+
+@dataclass(frozen=True)
 class RunConfig(ConfigBase):
     network: NetworkConfig
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "") -> "RunConfig":

@@ -182,7 +182,7 @@ class Model:
     # ---- training ----------------------------------------------------------------------
     def fit(self, data, epochs: int = 1, listeners: Iterable = (), batch_size: int | None = None, *,
             validation=None, validation_split: float | None = None, metrics=None,
-            shuffle: bool | None = None, label=None, features=None) -> "History":
+            shuffle: bool | None = None, label=None, features=None, verbose="auto") -> "History":
         """Train for ``epochs`` more epochs on a DataSetIterator (or a DataSet / (x, y) pair).
 
         ``validation`` (the same kinds of data) or ``validation_split`` (a fraction of the
@@ -190,9 +190,11 @@ class Model:
         ``val_loss`` and ``val_<metric>`` for each of ``metrics`` (default: accuracy).
         Returns a ``History`` (Keras' shape: ``history.history["val_accuracy"]``). Ctrl-C
         stops after the current step, leaves the model consistent and raises
-        ``TrainingInterrupted``.
+        ``TrainingInterrupted``. ``verbose`` (Keras'): 0 silent, 1 a progress bar, 2 a line
+        per epoch, "auto" a bar on a terminal or in a notebook, else lines (``train/progress.py``).
         """
         from dl4py.train.loop import fit
+        from dl4py.train.progress import batches_of, console_listeners
         from dl4py.train.validation import split_validation
 
         # Arrays, DataFrames and Datasets are batched by dl4py (32 by default) and shuffled each
@@ -208,7 +210,10 @@ class Model:
         self.check_data(iterator)  # every label, before the first step rather than at a torch error
         if validation is not None:
             self.check_data(validation)  # not found wrong only after an epoch of training
-        return fit(self, iterator, epochs, list(listeners), validation=validation,
+        listeners = list(listeners)
+        total = self.epoch_count + epochs if isinstance(epochs, int) else None  # a wrong one: fit says so
+        listeners += console_listeners(verbose, total, batches_of(iterator), listeners)
+        return fit(self, iterator, epochs, listeners, validation=validation,
                    metrics=None if metrics is None else list(metrics))
 
     # ---- what trainers use (the single-device loop, parallel workers) ----------------------

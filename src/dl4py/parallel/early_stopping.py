@@ -17,6 +17,7 @@ import logging
 from dl4py.parallel.wrapper import ParallelWrapper
 from dl4py.train.early_stopping.configuration import ERROR, EarlyStoppingConfiguration, EarlyStoppingResult
 from dl4py.train.early_stopping.controller import EarlyStoppingController
+from dl4py.train.early_stopping.trainer import progress_listeners
 from dl4py.train.history import History
 from dl4py.train.loop import TrainingInterrupted
 
@@ -34,10 +35,13 @@ class EarlyStoppingParallelTrainer:
         self.config, self.train, self.listeners = config, train, list(listeners)
         self.wrapper = ParallelWrapper(model, **wrapper_options)
 
-    def fit(self) -> EarlyStoppingResult:
+    def fit(self, verbose="auto") -> EarlyStoppingResult:
+        """Train until a condition fires; ``verbose`` as ``Model.fit``'s (this process draws)."""
         controller = EarlyStoppingController(self.config)
+        model = self.wrapper.model
+        listeners = [*self.listeners, *progress_listeners(verbose, self.config, model, self.train, self.listeners)]
         try:
-            summaries = self.wrapper._fit(self.train, UNTIL_A_CONDITION_FIRES, self.listeners, False, controller)
+            summaries = self.wrapper._fit(self.train, UNTIL_A_CONDITION_FIRES, listeners, False, controller)
         except (TrainingInterrupted, KeyboardInterrupt):
             raise
         except Exception as exc:

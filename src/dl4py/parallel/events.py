@@ -9,6 +9,8 @@ need (``EventRelay``) and the coordinator replays it on its model (``EventReplay
   once at most every ``FLUSH_SECONDS`` (and at each epoch's end), so relaying adds no
   wait for the device per step. One step is one round, numbered in the model's units:
   ``iteration`` counts the batches of every worker (2, 4, 6, ... with two workers);
+- what listeners' parts in worker 0 made (``ListenerRecords``: a ``StatsListener``'s
+  per-layer statistics, which need the live replica), sent with the ``Iterations``;
 - each epoch's end, with worker 0's averaged replica as bytes: the coordinator loads it
   into its model before ``on_epoch_end``, so a listener that saves ``model`` saves that
   state, and under early stopping scores it and sends the decision back to worker 0,
@@ -33,7 +35,7 @@ import torch
 
 from dl4py.errors import TrainingError
 from dl4py.nn.serialization import model_bytes, restore_state
-from dl4py.parallel.messages import Decision, EpochEnded, EpochStarted, Iterations, LogRecord
+from dl4py.parallel.messages import Decision, EpochEnded, EpochStarted, Iterations, ListenerRecords, LogRecord
 from dl4py.train.listeners import TrainingListener
 
 log = logging.getLogger("dl4py")
@@ -42,12 +44,15 @@ FLUSH_SECONDS = 0.25  # as often as a progress bar redraws
 
 
 class EventRelay(TrainingListener):
-    """Worker 0's only listener in a spawned run: sends the coordinator its events.
-    ``iterations``: relay steps and epoch starts too (the coordinator has listeners)."""
+    """Worker 0's last listener in a spawned run: sends the coordinator its events.
+    ``iterations``: relay steps and epoch starts too (the coordinator has listeners).
+    ``parts``: the listeners' parts that run before it on the replica (``worker_parts``);
+    what each made (``drain()``) goes with the steps."""
 
-    def __init__(self, messages, decisions, iterations: bool, timeout: float):
+    def __init__(self, messages, decisions, iterations: bool, timeout: float, parts=()):
         self.messages, self.decisions = messages, decisions
         self.iterations, self.timeout = iterations, timeout
+        self.parts = list(parts)
         self._pending: list[tuple] = []  # (iteration, epoch, loss on the device, batch size)
         self._flushed = time.monotonic()
 
@@ -82,13 +87,16 @@ class EventRelay(TrainingListener):
         return decision.stop_reason
 
     def _flush(self) -> None:
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, []
-        # One device-to-host copy for them all: reading each loss alone would make every
-        # step wait for the GPU.
-        losses = torch.stack([loss for _, _, loss, _ in pending]).tolist()
-        self.messages.put(Iterations([(i, e, value, n) for (i, e, _, n), value in zip(pending, losses)]))
+        if self._pending:
+            pending, self._pending = self._pending, []
+            # One device-to-host copy for them all: reading each loss alone would make every
+            # step wait for the GPU.
+            losses = torch.stack([loss for _, _, loss, _ in pending]).tolist()
+            self.messages.put(Iterations([(i, e, value, n) for (i, e, _, n), value in zip(pending, losses)]))
+        for index, part in enumerate(self.parts):
+            records = part.drain()
+            if records:
+                self.messages.put(ListenerRecords(index, records))
         self._flushed = time.monotonic()
 
 
@@ -101,6 +109,15 @@ class EventReplay:
         self.model, self.listeners, self.controller = model, list(listeners), controller
         self.decisions = None  # the queue worker 0 reads decisions from (with a controller)
         self.model_changed = False
+        self._part_owners: list = []  # the listener that handed out each of worker 0's parts
+
+    def worker_parts(self, workers: int) -> list:
+        """The parts worker 0 runs on its replica for listeners that must read the live model
+        (a ``StatsListener``'s collector: its ``worker_part(workers)``); their records come
+        back as ``ListenerRecords`` to the listener's ``receive``."""
+        owners = [listener for listener in self.listeners if hasattr(listener, "worker_part")]
+        self._part_owners = owners
+        return [listener.worker_part(workers) for listener in owners]
 
     @property
     def relays_epochs(self) -> bool:
@@ -123,6 +140,8 @@ class EventReplay:
         elif isinstance(message, EpochStarted):
             for listener in self.listeners:
                 listener.on_epoch_start(self.model, message.epoch)
+        elif isinstance(message, ListenerRecords):
+            self._part_owners[message.part].receive(message.records)
         elif isinstance(message, EpochEnded):
             restore_state(self.model, message.state)
             self.model_changed = True

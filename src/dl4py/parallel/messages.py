@@ -3,7 +3,7 @@
 Coordinator -> each worker of the pool: a ``Job`` per fit (None: the pool closes).
 Workers -> coordinator, on one queue (a queue keeps each sender's order): ``Ready`` once
 a worker runs, then for each job worker 0's training events (``EpochStarted``,
-``Iterations``, ``EpochEnded``) when the coordinator runs listeners or early stopping,
+``Iterations``, ``ListenerRecords``, ``EpochEnded``) when the coordinator runs listeners or early stopping,
 every worker's ``LogRecord``s, then every worker's last word on the job, ``Done`` or
 ``Failed`` (after which it exits).
 Coordinator -> worker 0: a ``Decision`` after each ``EpochEnded`` under early stopping.
@@ -48,6 +48,16 @@ class Iterations:
     round's examples, ``loss`` worker 0's."""
 
     records: list[tuple[int, int, float, int]]
+
+
+@dataclass(frozen=True)
+class ListenerRecords:
+    """What a listener's part in worker 0 made since worker 0's last message (``StatsListener``'s
+    "stats" records, read from the live replica): for the coordinator's listener that handed
+    out part number ``part`` of this fit (``EventReplay.worker_parts``)."""
+
+    part: int
+    records: list
 
 
 @dataclass(frozen=True)

@@ -89,10 +89,11 @@ def _run_job(rank: int, world: int, job: Job, channels: WorkerChannels) -> RankR
     dealt = None if spec.source is not None else QueueSource(channels.inbox, channels.stop, timeout, job.number)
     relay = None
     if rank == 0 and spec.relay_epochs:
-        relay = EventRelay(channels.messages, channels.decisions, spec.relay_iterations, timeout)
+        relay = EventRelay(channels.messages, channels.decisions, spec.relay_iterations, timeout,
+                           parts=spec.listener_parts)
     try:
         return run_rank(rank, world, spec, spec.source or dealt, should_stop=channels.interrupt.is_set,
-                        listeners=[relay] if relay else [], decide=relay.decision if relay else None,
+                        listeners=[*relay.parts, relay] if relay else [], decide=relay.decision if relay else None,
                         keep_state=rank == 0)  # the coordinator's model takes worker 0's state
     finally:
         if dealt is not None:

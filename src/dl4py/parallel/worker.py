@@ -62,6 +62,9 @@ class WorkerSpec:
     iteration_conditions: list = field(default_factory=list)  # early stopping's: every worker asks them
     relay_epochs: bool = False  # spawned worker 0 sends each epoch's end (and state) to the coordinator
     relay_iterations: bool = False  # ... and its steps and epoch starts (the coordinator has listeners)
+    # Listeners' parts spawned worker 0 runs on its replica, for listeners that must read the
+    # live model (a StatsListener's collector); what they make is relayed (events.py).
+    listener_parts: list = field(default_factory=list)
     # The coordinator's "dl4py" level where the spec is made (at fit start): spawned workers
     # send it their records from this level up, and make none below it.
     log_level: int = field(default_factory=lambda: logging.getLogger("dl4py").getEffectiveLevel())

@@ -16,7 +16,9 @@ updater state).
 
 With spawned workers, this process alone runs the fit's listeners (and early stopping's
 scoring, saving and decisions), on events worker 0 relays (``events.py``); at each epoch
-end ``model`` takes worker 0's averaged state first. Under torchrun, rank 0 runs them.
+end ``model`` takes worker 0's averaged state first. A listener that must read the live
+replica mid-epoch (``StatsListener``) gives worker 0 a part to run there, whose records
+are relayed. Under torchrun, rank 0 runs them.
 
 Ctrl-C or SIGTERM while spawned workers train: the workers stop together after the next
 averaging round, worker 0's replica comes back, and the listeners' ``on_fit_end(model,
@@ -52,6 +54,7 @@ from dl4py.parallel.worker import WorkerSpec
 from dl4py.train.history import History
 from dl4py.train.interrupt import DeferredInterrupt
 from dl4py.train.loop import EpochSummary, TrainingInterrupted
+from dl4py.train.progress import batches_of, console_listeners
 from dl4py.train.validation import EpochValidation
 
 __all__ = ["ParallelWrapper", "launched_by_torchrun"]
@@ -120,13 +123,18 @@ class ParallelWrapper:
         self._pool = WorkerPool()
 
     # ---- public ---------------------------------------------------------------------------
-    def fit(self, iterator, epochs: int = 1, listeners=(), *, validation=None, metrics=None,
+    def fit(self, iterator, epochs: int = 1, listeners=(), *, validation=None, metrics=None, verbose="auto",
             _record_examples: bool = False) -> History:
         """Train ``epochs`` epochs; the model then holds the averaged parameters. With
         ``validation`` (anything ``Model.fit`` accepts), the averaged model is scored after
-        each epoch, as ``Model.fit`` does. Returns the History of the epochs."""
+        each epoch, as ``Model.fit`` does. ``verbose`` as ``Model.fit``'s: this process
+        draws the bar (or the lines), counting every worker's batches. Returns the History
+        of the epochs."""
         if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
             raise ConfigError("epochs", f"must be a positive integer, got {epochs!r}")
+        iterator = as_iterator(iterator, None, seed=getattr(self.model, "seed", 0), training=True)
+        listeners = list(listeners)
+        listeners += console_listeners(verbose, self.model.epoch_count + epochs, batches_of(iterator), listeners)
         validator = None
         if validation is not None:
             held_out = as_iterator(validation, None)
@@ -219,6 +227,9 @@ class ParallelWrapper:
         with tempfile.TemporaryDirectory(prefix="dl4py-parallel-") as tmp, DeferredInterrupt() as interrupt:
             spec.model_file = str(Path(tmp) / "model.dl4py")  # the model as of this fit, changes included
             self.model.save(spec.model_file)
+            # Parts of listeners that read worker 0's live replica (a StatsListener's); from here
+            # until on_fit_end those listeners take their records from the relay.
+            spec.listener_parts = replay.worker_parts(world)
             replay.fit_start()
             failed = True  # on any error the workers are killed at once, and the pool closed
             try:

@@ -33,6 +33,7 @@ class TaskJob:
     relay: bool  # rank 0 sends its epochs (the driver has listeners) ...
     relay_iterations: bool  # ... and its steps
     cpus: int = 1  # spark.task.cpus: the cores this task may use (CPU training)
+    listener_parts: tuple = ()  # rank 0 runs them on its replica and relays what they make (a StatsListener's)
 
 
 def train_task(job: TaskJob):
@@ -54,9 +55,12 @@ def train_task(job: TaskJob):
         listeners = []
         if rank == 0 and job.relay:
             line = DriverLine(job.address, job.key)
-            listeners.append(EventRelay(line, None, job.relay_iterations, job.options["timeout"]))
+            relay = EventRelay(line, None, job.relay_iterations, job.options["timeout"], parts=job.listener_parts)
+            listeners.extend([*relay.parts, relay])
+        # verbose=0: the driver shows progress, from the relayed events; a task prints none.
         history = ParallelWrapper(model, **job.options).fit(job.data, epochs=job.epochs, listeners=listeners,
-                                                            validation=job.validation, metrics=job.metrics)
+                                                            validation=job.validation, metrics=job.metrics,
+                                                            verbose=0)
     except BaseException as exc:
         _report(job, rank, exc)
         raise

@@ -33,6 +33,7 @@ from dl4py.spark.task import TaskJob, train_task
 from dl4py.spark.session import check_slots
 from dl4py.train.history import History
 from dl4py.train.loop import TrainingInterrupted
+from dl4py.train.progress import batches_of, console_listeners
 
 log = logging.getLogger("dl4py")
 
@@ -70,7 +71,8 @@ class SparkTrainer:
         self.timeout = float(timeout)
 
     def fit(self, data, epochs: int = 1, listeners=(), *, validation=None, metrics=None, label=None, features=None,
-            batch_size: int | None = None, shuffle_buffer: int | None = None, seed: int | None = None) -> History:
+            batch_size: int | None = None, shuffle_buffer: int | None = None, seed: int | None = None,
+            verbose="auto") -> History:
         """Train ``epochs`` epochs on ``data``; the model then holds the averaged state.
 
         ``data``: a Spark DataFrame (``label`` column, ``features`` columns: default all
@@ -78,7 +80,8 @@ class SparkTrainer:
         executor can read, or any iterator ``ParallelWrapper.fit`` accepts that pickles (it
         travels to every rank). ``batch_size``, ``shuffle_buffer`` and ``seed`` batch a
         DataFrame or directory as ``TableDirectoryIterator`` does. ``validation`` (it
-        travels too) is scored by rank 0 after each epoch. ``listeners`` run here."""
+        travels too) is scored by rank 0 after each epoch. ``listeners`` run here, and so does
+        the progress ``verbose`` asks for (as ``Model.fit``'s), from rank 0's relayed events."""
         if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
             raise ConfigError("epochs", f"must be a positive integer, got {epochs!r}")
         spark = self._session()
@@ -91,13 +94,15 @@ class SparkTrainer:
             check_batches_for_world(self.workers, source)  # each rank reads whole pieces of a table
             _check_picklable(data=source, validation=validation)
             torch_model = _torch_model(model)
+            listeners = [*listeners, *console_listeners(verbose, model.epoch_count + epochs, batches_of(source),
+                                                        listeners)]
             replay = EventReplay(model, listeners)
             server = EventServer(spark.conf.get("spark.driver.host"), spark.conf.get("spark.driver.bindAddress", ""))
             job = TaskJob(model=before, torch_model=torch_model, data=source, validation=validation,
                           metrics=None if metrics is None else list(metrics), epochs=epochs, options=self.options,
                           use_gpu=self.use_gpu, precision=model.precision.name, address=server.address,
                           key=server.key, relay=replay.relays_epochs, relay_iterations=replay.relays_iterations,
-                          cpus=_task_cpus(spark))
+                          cpus=_task_cpus(spark), listener_parts=tuple(replay.worker_parts(self.workers)))
             failed = True
             try:
                 replay.fit_start()

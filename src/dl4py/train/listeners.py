@@ -1,4 +1,5 @@
-"""Training listeners (DL4J's TrainingListener family): score, speed, progress, metrics, checkpoints.
+"""Training listeners (DL4J's TrainingListener family): score, speed, metrics, checkpoints
+(the console's progress bar and epoch lines: ``progress.py``).
 
 A listener sees the loss as a device tensor and converts it only when it reports, so a
 quiet listener costs nothing per step.
@@ -11,9 +12,7 @@ iterations" means each time the count passes a multiple of N.
 
 from __future__ import annotations
 
-import json
 import logging
-import sys
 import time
 from pathlib import Path
 
@@ -104,81 +103,24 @@ class PerformanceListener(TrainingListener):
             self._start, self._samples, self._batches = time.perf_counter(), 0, 0
 
 
-class ProgressBar(TrainingListener):
-    """One line per epoch on stderr: batches done, speed, ETA. Redrawn at most 4 times a second.
-    ``batches_per_epoch=None`` (a stream of unknown length): the count and speed, no bar or ETA."""
-
-    def __init__(self, total_epochs: int, batches_per_epoch: int | None, stream=None, interval: float = 0.25):
-        self.total_epochs = total_epochs
-        self.batches = batches_per_epoch
-        self._stream = stream  # None: sys.stderr when drawing (keeps the listener picklable)
-        self.interval = interval
-        self._first_epoch = None
-        self._count = _Count()
-
-    def on_epoch_start(self, model, epoch):
-        if self._first_epoch is None:
-            self._first_epoch = epoch
-        self._epoch, self._done, self._start, self._last = epoch, model.batch_in_epoch, time.perf_counter(), 0.0
-        self._resumed_at = model.batch_in_epoch  # trained before this fit: not part of its speed
-        self._count.start(model)
-
-    def iteration_done(self, model, iteration, epoch, loss, batch_size):
-        self._done += iteration - self._count.advance(iteration)
-        now = time.perf_counter()
-        if now - self._last >= self.interval or (self.batches is not None and self._done >= self.batches):
-            self._last = now
-            self._draw(now, float(loss))
-
-    @property
-    def stream(self):
-        return self._stream or sys.stderr
-
-    def _draw(self, now: float, score: float) -> None:
-        elapsed = now - self._start
-        rate = (self._done - self._resumed_at) / elapsed if elapsed > 0 else 0.0
-        epoch_no = self._epoch - self._first_epoch + 1
-        if self.batches is None:
-            self.stream.write(f"\repoch {epoch_no}/{self.total_epochs} {self._done} batches "
-                              f"{rate:.1f} it/s score {score:.4f} ")
-            self.stream.flush()
-            return
-        remaining = (self.batches - self._done) / rate if rate > 0 else 0.0
-        width = 24
-        filled = int(width * self._done / max(self.batches, 1))
-        bar = "=" * filled + ">" * (filled < width) + " " * (width - filled - 1)
-        self.stream.write(
-            f"\repoch {epoch_no}/{self.total_epochs} [{bar[:width]}] {self._done}/{self.batches} "
-            f"{rate:.1f} it/s score {score:.4f} ETA {_clock(remaining)} "
-        )
-        self.stream.flush()
-
-    def on_epoch_end(self, model, summary):
-        self.stream.write("\n")
-        self.stream.flush()
-
-
-def _clock(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
-
-
 class MetricsLogger(TrainingListener):
     """Appends JSON lines to ``path``: the score every ``every`` iterations and one record per
     epoch with History's keys (``loss``, ``val_loss``, ``val_accuracy``, ``seconds``,
     ``samples_per_second``, ``learning_rate``). ``time`` counts training seconds since the
-    run began: appending to the file of a resumed run, it goes on from its last record."""
+    run began: appending to the file of a resumed run, it goes on from its last record.
+    The file is written by ``dl4py.monitor.FileStatsStorage``, which ``StatsListener``
+    writes through too (with per-layer statistics)."""
 
     def __init__(self, path, every: int = 100):
+        from dl4py.monitor.storage import FileStatsStorage  # not at import: monitor imports this module
+
         self.path = Path(path)
         self.every = every
-        self._file = None
-        self._t0 = None
+        self.storage = FileStatsStorage(self.path)
         self._count = _Count()
 
     def on_fit_start(self, model):
-        if self._t0 is None:
-            self._t0 = time.time() - _last_time(self.path)
+        self.storage.start()
 
     def on_epoch_start(self, model, epoch):
         self._count.start(model)
@@ -186,53 +128,19 @@ class MetricsLogger(TrainingListener):
     def iteration_done(self, model, iteration, epoch, loss, batch_size):
         last = self._count.advance(iteration)
         if self.every and _passes(last, iteration, self.every):
-            self._write({"kind": "iteration", "iteration": iteration, "epoch": epoch, "score": float(loss)})
+            self.storage.put({"kind": "iteration", "iteration": iteration, "epoch": epoch, "score": float(loss)})
 
     def on_epoch_end(self, model, summary):
-        self._write({"kind": "epoch", "iteration": model.iteration_count, **summary.record(),
-                     "completed": summary.completed})
+        self.storage.put_epoch(epoch_record(model, summary))
 
     def write(self, record: dict) -> None:
         """Add a record of your own (e.g. an evaluation) to the same file."""
-        self._write(record)
-
-    def _write(self, record: dict) -> None:
-        if self._t0 is None:
-            self._t0 = time.time() - _last_time(self.path)
-        record = {"time": round(time.time() - self._t0, 3), **record}
-        try:
-            if self._file is None:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._file = self.path.open("a", buffering=1)  # line-buffered: each record lands whole
-            self._file.write(json.dumps(record) + "\n")
-        except OSError as exc:  # disk full, read-only: a sentence naming the file
-            from dl4py.errors import StorageError
-
-            raise StorageError("append to", self.path, exc) from exc
-
-    def on_fit_end(self, model, interrupted):
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        self.storage.put(record)
 
 
-def _last_time(path: Path) -> float:
-    """The ``time`` of the last whole record in ``path`` (0 for a new file)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, 2)
-            f.seek(max(0, f.tell() - 65536))  # records are short: the tail holds the last one
-            lines = f.read().decode("utf-8", "replace").splitlines()
-    except OSError:
-        return 0.0
-    for line in reversed(lines):
-        try:
-            value = json.loads(line).get("time")
-        except (ValueError, AttributeError):
-            continue  # a torn last line (a crash mid-write), or a partial first one
-        if isinstance(value, (int, float)):
-            return float(value)
-    return 0.0
+def epoch_record(model, summary) -> dict:
+    """The "epoch" record of ``metrics.jsonl``: History's keys of the epoch that ended."""
+    return {"kind": "epoch", "iteration": model.iteration_count, **summary.record(), "completed": summary.completed}
 
 
 class CheckpointListener(TrainingListener):

@@ -26,6 +26,8 @@ NAN_CHECK_EVERY = 100
 class TrainingInterrupted(DL4PyError):
     """Training was stopped by Ctrl-C or SIGTERM; the model holds the state after the last full step."""
 
+    run_dir = None  # set by ``dl4py train``'s runner: the run directory that ``--resume`` continues
+
 
 def fit(model, iterator, epochs: int, listeners: list, validation=None, metrics=None) -> History:
     """Train ``epochs`` epochs; after each, score ``validation`` (an iterator) when given."""

@@ -50,6 +50,13 @@ class EarlyStoppingConfiguration:
         if not all(hasattr(self.model_saver, m) for m in ("save_best", "save_latest", "get_best_model")):
             raise ConfigError("model_saver", "must have save_best, save_latest and get_best_model")
 
+    def max_epochs(self) -> int | None:
+        """The most epochs a fit can train (its MaxEpochs); None where other conditions alone end it."""
+        from dl4py.train.early_stopping.conditions import MaxEpochs
+
+        limits = [c.max_epochs for c in self.epoch_conditions if isinstance(c, MaxEpochs)]
+        return min(limits) if limits else None
+
 
 @dataclass
 class EarlyStoppingResult:

@@ -1,0 +1,100 @@
+"""TensorBoard event files for a training run, written by the writer that ships with torch.
+
+    from dl4py.monitor import StatsListener, TensorBoardStatsStorage
+
+    model.fit(train, epochs=2, listeners=[StatsListener(TensorBoardStatsStorage("runs/lenet/tensorboard"))])
+
+then ``tensorboard --logdir runs/lenet/tensorboard``. Needs the ``tensorboard`` package:
+``pip install "dl4py[tensorboard]"``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dl4py.errors import MissingDependencyError, StorageError
+from dl4py.monitor.scalars import epoch_scalars, evaluation_scalars, update_scalars
+from dl4py.monitor.storage import StatsStorage
+
+FLUSH_SECONDS = 10  # how stale a live TensorBoard may be; each epoch's end flushes too
+
+
+class TensorBoardStatsStorage(StatsStorage):
+    """Writes the StatsListener's records to TensorBoard event files in ``log_dir``.
+
+    Scalars against the iteration (the step of TensorBoard's charts): ``train/score``,
+    ``train/learning_rate``, ``train/samples_per_second``, ``memory/...`` and, per layer,
+    ``update_ratio/<layer>``, ``parameters/<layer>``, ``gradients/<layer>``,
+    ``updates/<layer>``, ``activations/<layer>``. Scalars against the epoch (0-based, as in
+    History): ``epoch/loss``, ``epoch/learning_rate``, ``epoch/samples_per_second`` ... and
+    ``validation/<metric>`` (from ``val_<metric>``); an evaluation's ``test/<metric>`` at the
+    epoch it was taken. The model summary and the environment are text (TensorBoard's Text
+    tab). A resumed run writes a new event file in the same folder, and TensorBoard shows
+    both as one run."""
+
+    def __init__(self, log_dir: str | Path):
+        summary_writer = _summary_writer()
+        self.log_dir = Path(log_dir)
+        try:
+            self._writer = summary_writer(str(self.log_dir), flush_secs=FLUSH_SECONDS)
+        except OSError as exc:  # a file where the folder should be, no permission
+            raise StorageError("write TensorBoard events to", self.log_dir, exc) from exc
+
+    def put_static(self, record: dict) -> None:
+        model = record.get("model") or {}
+        if model.get("summary"):
+            self._writer.add_text("model/summary", _preformatted(model["summary"]), 0)
+        facts = {"parameters": model.get("parameters"), "workers": record.get("workers"),
+                 **(record.get("environment") or {})}
+        self._writer.add_text("environment", _table(facts), 0)
+
+    def put_update(self, record: dict) -> None:
+        self._add(update_scalars(record), record["iteration"])
+
+    def put_epoch(self, record: dict) -> None:
+        self._add(epoch_scalars(record), record["epoch"])
+        self._writer.flush()  # a TensorBoard watching the run sees each epoch as it ends
+
+    def put(self, record: dict) -> None:
+        """An "evaluation" record's test-set scores, at the epoch it was taken; other kinds
+        have no place here."""
+        if record.get("kind") == "evaluation":
+            self._add(evaluation_scalars(record), record.get("epoch", 0))
+            self._writer.flush()
+
+    def _add(self, scalars: list[tuple[str, float]], step: int) -> None:
+        for tag, value in scalars:
+            self._writer.add_scalar(tag, value, step)
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()  # flushes; closing twice is harmless
+
+
+def _summary_writer():
+    """torch's SummaryWriter, or an error naming what to install."""
+    try:
+        import tensorboard  # noqa: F401  (torch.utils.tensorboard needs it, and says so less clearly)
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # also when sys.modules["tensorboard"] is None
+        raise MissingDependencyError("TensorBoard logging", "tensorboard", "tensorboard") from None
+    return SummaryWriter
+
+
+def _preformatted(text: str) -> str:
+    """Text TensorBoard shows as written: its Text tab renders Markdown, where an indented
+    block is kept as it is (the summary's columns stay aligned)."""
+    return "\n".join("    " + line for line in text.splitlines())
+
+
+def _table(facts: dict) -> str:
+    rows = ["| | |", "|---|---|"]
+    for key, value in facts.items():
+        if value is None:
+            continue
+        shown = json.dumps(value) if isinstance(value, (dict, list)) else str(value)
+        rows.append(f"| {key} | {shown.replace('|', '/')} |")
+    return "\n".join(rows)
