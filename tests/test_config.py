@@ -16,7 +16,14 @@ from dl4py.config import (
     ConvolutionLayer,
     DenseLayer,
     DropoutLayer,
+    GRU,
+    LSTM,
+    EmbeddingLayer,
+    EmbeddingSequenceLayer,
+    FrozenLayer,
     GlobalPoolingLayer,
+    LastTimeStep,
+    RnnOutputLayer,
     InputType,
     Layer,
     Nesterovs,
@@ -44,8 +51,23 @@ SAMPLES = {
     "global_pooling": GlobalPoolingLayer(pooling_type="sum"),
     "dense": DenseLayer(n_out=7, activation="tanh", weight_init="uniform", l2=0.001),
     "output": OutputLayer(n_out=3, activation="sigmoid", loss="xent", weight_init="normal"),
+    "frozen": FrozenLayer(layer=ConvolutionLayer(n_out=3, kernel_size=2, activation="relu")),
 }
-CNN_TYPES = {"convolution", "subsampling", "global_pooling"}
+CNN_TYPES = {"convolution", "subsampling", "global_pooling", "frozen"}
+# Recurrent and embedding layers, each in a whole network: its input type and layers.
+SEQUENCE_SAMPLES = {
+    "lstm": (InputType.recurrent(3, 5), [LSTM(n_out=4, weight_init="uniform", forget_gate_bias_init=0.5),
+                                         RnnOutputLayer(n_out=2, loss="mcxent")]),
+    "gru": (InputType.recurrent(3), [GRU(n_out=4, activation="tanh"), RnnOutputLayer(n_out=2)]),
+    "last_time_step": (InputType.recurrent(3), [LastTimeStep(layer=LSTM(n_out=4)), SAMPLES["output"]]),
+    "rnn_output": (InputType.recurrent(3), [RnnOutputLayer(n_out=3, activation="sigmoid", loss="xent")]),
+    "embedding": (InputType.feed_forward(1), [EmbeddingLayer(vocab_size=10, n_out=4, activation="relu"),
+                                              SAMPLES["output"]]),
+    "embedding_sequence": (InputType.recurrent(1), [EmbeddingSequenceLayer(vocab_size=10, n_out=4),
+                                                    RnnOutputLayer(n_out=2)]),
+}
+SAMPLES.update({name: next(layer for layer in layers if layer.type_name == name)
+                for name, (_, layers) in SEQUENCE_SAMPLES.items()})
 
 
 def test_every_layer_type_has_a_sample():
@@ -60,9 +82,12 @@ def test_round_trip_every_layer_type(type_name):
         layers = [GlobalPoolingLayer()] + layers  # cnn -> flat first, so flat layers get flat input
     if type_name in ("batch_normalization", "activation", "dropout"):
         layers = [layer, GlobalPoolingLayer()]  # these also take cnn input
+    input_type, layers = InputType.convolutional(8, 6, 2), layers + [SAMPLES["output"]]
+    if type_name in SEQUENCE_SAMPLES:
+        input_type, layers = SEQUENCE_SAMPLES[type_name]
     config = NetworkConfig(
-        layers=layers + [SAMPLES["output"]],
-        input_type=InputType.convolutional(8, 6, 2),
+        layers=layers,
+        input_type=input_type,
         seed=7, weight_init="relu", activation="tanh", updater=Adam(learning_rate=0.01), l2=0.0001,
     )
     as_dict = config.to_dict()

@@ -23,6 +23,7 @@ from dl4py.config import (
     ConvolutionLayer,
     DenseLayer,
     DropoutLayer,
+    FrozenLayer,
     GlobalPoolingLayer,
     InputType,
     Nesterovs,
@@ -46,18 +47,29 @@ from dl4py.data import (
     NormalizerStandardize,
     TableDirectoryIterator,
 )
+from dl4py.config.recurrent import (
+    GRU,
+    LSTM,
+    EmbeddingLayer,
+    EmbeddingSequenceLayer,
+    LastTimeStep,
+    RnnOutputLayer,
+)
+from dl4py.data.sequences import SequenceDataSetIterator
 from dl4py.errors import BackendError, ConfigError, DataError, DL4PyError, TrainingError
 from dl4py.eval import ROC, Evaluation, RegressionEvaluation, ROCMultiClass
-from dl4py.nn import MultiLayerNetwork, TorchModel, load
+from dl4py.nn import FineTuneConfiguration, MultiLayerNetwork, TorchModel, TransferLearning, load
 from dl4py.train import TrainingInterrupted
 
 __all__ = [
     "ActivationLayer", "Adam", "AdamW", "ArrayDataSetIterator", "BackendError",
     "BatchNormalization", "ConfigError", "ConvolutionLayer", "CsvDataSetIterator", "DataError",
     "DataSet", "DataSetIterator", "DenseLayer", "DeviceDataSetIterator", "DL4PyError", "DropoutLayer", "Environment",
-    "Evaluation", "GlobalPoolingLayer", "ImageFolderIterator", "ImagePreProcessingScaler", "InputType", "MnistDataSetIterator", "MultiLayerNetwork",
+    "Evaluation", "FineTuneConfiguration", "FrozenLayer", "GlobalPoolingLayer", "ImageFolderIterator", "ImagePreProcessingScaler", "InputType", "MnistDataSetIterator", "MultiLayerNetwork",
     "RegressionEvaluation", "ROC", "ROCMultiClass",
     "Nesterovs", "NetworkConfig", "NormalizerMinMaxScaler", "NormalizerStandardize", "OutputLayer", "RmsProp", "RunConfig", "Sgd", "SubsamplingLayer",
-    "TableDirectoryIterator", "TorchModel", "TrainingError", "TrainingInterrupted", "environment", "get_default_dtype", "load",
+    "TableDirectoryIterator", "TorchModel", "TrainingError", "TransferLearning", "TrainingInterrupted", "environment", "get_default_dtype", "load",
     "resolve_backend", "set_backend", "set_default_dtype",
+    "EmbeddingLayer", "EmbeddingSequenceLayer", "GRU", "LastTimeStep", "LSTM", "RnnOutputLayer",
+    "SequenceDataSetIterator",
 ]

@@ -1,6 +1,6 @@
 """Network and run configuration as plain, round-trippable data."""
 
-from dl4py.config.input_type import Convolutional, ConvolutionalFlat, FeedForward, InputType
+from dl4py.config.input_type import Convolutional, ConvolutionalFlat, FeedForward, InputType, Recurrent
 from dl4py.config.layers import (
     ActivationLayer,
     BatchNormalization,
@@ -12,7 +12,16 @@ from dl4py.config.layers import (
     OutputLayer,
     SubsamplingLayer,
 )
+from dl4py.config.frozen import FrozenLayer
 from dl4py.config.network import NetworkConfig
+from dl4py.config.recurrent import (
+    GRU,
+    LSTM,
+    EmbeddingLayer,
+    EmbeddingSequenceLayer,
+    LastTimeStep,
+    RnnOutputLayer,
+)
 from dl4py.config.run import DataConfig, EnvironmentConfig, LoggingConfig, RunConfig, TrainingConfig
 from dl4py.config.schedules import (
     ExponentialSchedule,
@@ -26,7 +35,9 @@ from dl4py.config.updaters import Adam, AdamW, Nesterovs, RmsProp, Sgd, Updater
 __all__ = [
     "ActivationLayer", "Adam", "AdamW", "BatchNormalization", "Convolutional", "ConvolutionalFlat",
     "ConvolutionLayer", "DataConfig", "DenseLayer", "DropoutLayer", "EnvironmentConfig",
-    "ExponentialSchedule", "FeedForward", "GlobalPoolingLayer", "InputType", "Layer", "LoggingConfig", "Nesterovs",
+    "ExponentialSchedule", "FeedForward", "FrozenLayer", "GlobalPoolingLayer", "InputType", "Layer", "LoggingConfig", "Nesterovs",
     "NetworkConfig", "OneCycleSchedule", "OutputLayer", "PolySchedule", "RmsProp", "RunConfig",
     "Schedule", "Sgd", "StepSchedule", "SubsamplingLayer", "TrainingConfig", "Updater",
+    "GRU", "LSTM", "EmbeddingLayer", "EmbeddingSequenceLayer", "LastTimeStep", "Recurrent",
+    "RnnOutputLayer",
 ]

@@ -1,6 +1,7 @@
 """InputType: the shape of the network's input, from which every layer's n_in is inferred.
 
-The counterpart of DL4J's ``InputType.feedForward / convolutional / convolutionalFlat``.
+The counterpart of DL4J's ``InputType.feedForward / convolutional / convolutionalFlat /
+recurrent``.
 ``convolutional_flat`` means each example arrives as a flat vector of ``height*width*channels``
 values (as MNIST iterators give it) and is reshaped to ``[channels, height, width]``.
 """
@@ -8,7 +9,7 @@ values (as MNIST iterators give it) and is reshaped to ``[channels, height, widt
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 from dl4py.config.schema import TaggedConfig, join
 from dl4py.errors import ConfigError
@@ -29,6 +30,10 @@ class InputType(TaggedConfig):
     @staticmethod
     def convolutional_flat(height: int, width: int, channels: int) -> "ConvolutionalFlat":
         return ConvolutionalFlat(height, width, channels)
+
+    @staticmethod
+    def recurrent(size: int, length: int | None = None) -> "Recurrent":
+        return Recurrent(size, length)
 
     def example_shape(self) -> tuple[int, ...]:
         """Shape of one example as the data iterator delivers it."""
@@ -75,3 +80,22 @@ class ConvolutionalFlat(Convolutional):
 
     def example_shape(self) -> tuple[int, ...]:
         return (self.height * self.width * self.channels,)
+
+
+@InputType.register("recurrent")
+@dataclass(frozen=True)
+class Recurrent(InputType):
+    """Sequences of ``size`` values per step, ``[batch, time, size]`` (batch first: DL4J's
+    ``RNNFormat.NWC``, not its default NCW). ``length`` None means any length: batches of
+    padded sequences of different lengths carry a mask (``docs/layers.md``)."""
+
+    size: int
+    length: Optional[int] = None
+
+    def validate(self, where: str) -> None:
+        _positive(self, where, "size")
+        if self.length is not None:
+            _positive(self, where, "length")
+
+    def example_shape(self) -> tuple[int | None, ...]:
+        return (self.length, self.size)

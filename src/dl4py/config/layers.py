@@ -17,18 +17,30 @@ from dl4py.errors import ConfigError
 Activation = Literal["identity", "relu", "leakyrelu", "tanh", "sigmoid", "softmax", "gelu"]
 WeightInit = Literal["xavier", "relu", "normal", "uniform", "zero"]
 Loss = Literal["negativeloglikelihood", "mcxent", "mse", "xent"]
+# DL4J's GradientNormalization enum (its names match in any spelling: "ClipL2PerLayer").
+GradientNormalization = Literal[
+    "none",
+    "renormalize_l2_per_layer",
+    "renormalize_l2_per_param_type",
+    "clip_element_wise_absolute_value",
+    "clip_l2_per_layer",
+    "clip_l2_per_param_type",
+]
 Pair = tuple[int, int]
 
 
 @dataclass(frozen=True)
 class Shape:
-    """Shape of one example between layers: ``("ff", (n,))`` or ``("cnn", (c, h, w))``."""
+    """Shape of one example between layers: ``("ff", (n,))``, ``("cnn", (c, h, w))`` or
+    ``("rnn", (time, size))``, where time is None for sequences of any length."""
 
-    kind: Literal["ff", "cnn"]
-    dims: tuple[int, ...]
+    kind: Literal["ff", "cnn", "rnn"]
+    dims: tuple[Optional[int], ...]
 
     @property
     def size(self) -> int:
+        if None in self.dims:
+            raise ValueError(f"a {self.kind} shape of variable length ({self}) has no fixed size")
         n = 1
         for d in self.dims:
             n *= d
@@ -38,7 +50,7 @@ class Shape:
         return Shape("ff", (self.size,))
 
     def __str__(self) -> str:
-        return "x".join(map(str, self.dims))
+        return "x".join("?" if d is None else str(d) for d in self.dims)
 
 
 class Layer(TaggedConfig):
@@ -100,11 +112,24 @@ def _window_output(
     return out[0], out[1]
 
 
-@dataclass(frozen=True)
+# Keyword-only, so that a layer's own required fields (n_out) may still come first.
+@dataclass(frozen=True, kw_only=True)
 class _ParamLayer(Layer):
-    """Fields shared by layers with weights; None means 'use the network default'."""
+    """Fields shared by layers with weights; None means 'use the network default'.
+
+    ``gradient_normalization`` and its threshold are DL4J's per-layer
+    ``gradientNormalization``/``gradientNormalizationThreshold``: set on a layer, they win
+    over the network's (``train/gradient_normalization.py``); NetworkConfig checks the threshold."""
 
     has_params: ClassVar[bool] = True
+    gradient_normalization: Optional[GradientNormalization] = None
+    gradient_normalization_threshold: Optional[float] = None
+
+    def to_dict(self) -> dict:
+        data = super().to_dict()
+        for key in ("gradient_normalization", "gradient_normalization_threshold"):
+            data[key] = data.pop(key)  # after the layer's own fields, where a reader looks last
+        return data
 
 
 @Layer.register("dense")
@@ -201,7 +226,7 @@ class SubsamplingLayer(Layer):
 
 @Layer.register("batch_normalization")
 @dataclass(frozen=True)
-class BatchNormalization(Layer):
+class BatchNormalization(_ParamLayer):
     """Batch normalisation over features (flat input) or channels (convolutional input).
     ``decay`` is DL4J's running-average decay: PyTorch's momentum is ``1 - decay``."""
 

@@ -23,8 +23,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from dl4py.config.frozen import unfrozen
 from dl4py.config.input_type import InputType
-from dl4py.config.layers import Activation, Layer, OutputLayer, Shape, WeightInit
+from dl4py.config.layers import Activation, GradientNormalization, Layer, OutputLayer, Shape, WeightInit
 from dl4py.config.schema import ConfigBase, dataclass_from_dict, join
 from dl4py.config.updaters import AdamW, Sgd, Updater
 from dl4py.errors import ConfigError
@@ -47,6 +48,10 @@ class NetworkConfig(ConfigBase):
     activation: Activation = "sigmoid"
     updater: Updater = field(default_factory=Sgd)
     l2: float = 0.0
+    # DL4J's gradientNormalization(..) / gradientNormalizationThreshold(..): every layer's
+    # default; a layer's own setting wins (train/gradient_normalization.py, docs/training.md).
+    gradient_normalization: GradientNormalization = "none"
+    gradient_normalization_threshold: float = 1.0
 
     # Built directly, errors still read network.layers[2].kernel_size.
     config_path: ClassVar[str] = "network"
@@ -94,6 +99,12 @@ class NetworkConfig(ConfigBase):
             raise ConfigError(join(where, "input_type"), "is required: n_in is inferred from it")
         if self.l2 < 0:
             raise ConfigError(join(where, "l2"), f"must be zero or more, got {self.l2}")
+        _check_threshold(self.gradient_normalization_threshold, join(where, "gradient_normalization_threshold"))
+        for i, layer in enumerate(self.layers):
+            _check_threshold(
+                getattr(layer, "gradient_normalization_threshold", None),
+                join(join(join(where, "layers"), i), "gradient_normalization_threshold"),
+            )
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             if isinstance(layer, OutputLayer) and i != last:
@@ -121,8 +132,9 @@ class NetworkConfig(ConfigBase):
         current = _first_shape(self.input_type, self.layers[0])
         for i, layer in enumerate(self.layers):
             at = join(join(where, "layers"), i)
-            if layer.type_name in ("dense", "output") and current.kind == "cnn":
+            if unfrozen(layer).type_name in ("dense", "output") and current.kind == "cnn":
                 current = current.flat()  # DL4J's CnnToFeedForwardPreProcessor
+            _check_sequence_rules(layer, i, current, at)
             out = layer.output_shape(current, at)
             shapes.append(LayerShapes(i, layer, current, out))
             current = out
@@ -132,16 +144,43 @@ class NetworkConfig(ConfigBase):
         return dataclasses.replace(self, **changes)
 
 
+def _check_threshold(threshold: float | None, where: str) -> None:
+    if threshold is not None and not threshold > 0:  # "not >": NaN is refused too
+        raise ConfigError(where, f"must be positive, got {threshold}")
+
+
 def _first_shape(input_type: InputType, first: Layer) -> Shape:
     from dl4py.config.input_type import Convolutional, ConvolutionalFlat, FeedForward
 
+    from dl4py.config.input_type import Recurrent
+
     if isinstance(input_type, FeedForward):
         return Shape("ff", (input_type.size,))
+    if isinstance(input_type, Recurrent):
+        return Shape("rnn", (input_type.length, input_type.size))
     cnn = Shape("cnn", (input_type.channels, input_type.height, input_type.width))
-    if isinstance(input_type, ConvolutionalFlat) and first.type_name in ("dense", "output"):
+    if isinstance(input_type, ConvolutionalFlat) and unfrozen(first).type_name in ("dense", "output"):
         return cnn.flat()
     assert isinstance(input_type, (Convolutional, ConvolutionalFlat))
     return cnn
+
+
+def _check_sequence_rules(layer: Layer, index: int, shape: Shape, where: str) -> None:
+    """Sequences go only into layers that take them; embeddings take the network's input."""
+    from dl4py.config.layers import DropoutLayer
+    from dl4py.config.recurrent import TAKES_SEQUENCES, EmbeddingLayer, EmbeddingSequenceLayer
+
+    layer = unfrozen(layer)
+    if index > 0 and isinstance(layer, (EmbeddingLayer, EmbeddingSequenceLayer)):
+        raise ConfigError(where, f"{layer.type_name} takes integer indices from the network's input: it "
+                                 f"must be the first layer (it is layer {index})")
+    if shape.kind == "rnn" and not isinstance(layer, TAKES_SEQUENCES + (DropoutLayer,)):
+        raise ConfigError(
+            where,
+            f"{layer.type_name} cannot take recurrent input [time, size] (shape {shape}): "
+            "wrap the recurrent layer before it in last_time_step for one vector per sequence, "
+            "or end with rnn_output for one output per step",
+        )
 
 
 class NetworkConfigBuilder:

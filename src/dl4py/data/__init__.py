@@ -8,6 +8,7 @@ from dl4py.data.device import DeviceDataSetIterator
 from dl4py.data.images import ImageFolderIterator
 from dl4py.data.iterators import ArrayDataSetIterator, DataSetIterator
 from dl4py.data.mnist import MnistDataSetIterator, load_mnist
+from dl4py.data.sequences import SequenceDataSetIterator
 from dl4py.data.normalizers import (
     ImagePreProcessingScaler,
     Normalizer,
@@ -23,6 +24,7 @@ __all__ = [
     "DeviceDataSetIterator",
     "MnistDataSetIterator",
     "CsvDataSetIterator",
+    "SequenceDataSetIterator",
     "load_mnist",
     "ImageFolderIterator",
     "Normalizer",

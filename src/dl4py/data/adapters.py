@@ -62,6 +62,11 @@ def as_iterator(data, batch_size: int | None = None, *, shuffle: bool | None = N
         return data
     if isinstance(data, DataSet):
         _no_options(data, shuffle=shuffle, label=label, features=features)
+        if data.features_mask is not None:  # padded sequences: one batch, its mask kept
+            if batch_size is not None and batch_size < data.num_examples():
+                raise DataError("a DataSet with a features_mask is one batch; for smaller batches of "
+                                "sequences use SequenceDataSetIterator(sequences, labels, batch_size)")
+            return BatchesIterator([data], name="DataSet")
         # DL4J's fit(DataSet) is one step on the whole set; a batch size splits it.
         return ArrayDataSetIterator(data.features, data.labels, batch_size=batch_size or max(data.num_examples(), 1),
                                     shuffle=False)

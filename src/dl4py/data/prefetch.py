@@ -26,13 +26,15 @@ def copy_to_device(batch: DataSet, device: torch.device, pin: bool,
                    stream: torch.cuda.Stream | None) -> tuple[DataSet, torch.cuda.Event | None]:
     """``batch`` on ``device``, and the event that marks its copy done (None when there is
     nothing to wait for: a CPU device, or data already there)."""
-    x, y = batch.features, batch.labels
+    x, y, mask = batch.features, batch.labels, batch.features_mask  # the mask of padded sequences
     if device.type != "cuda" or stream is None or (x.device == device and y.device == device):
-        return DataSet(x.to(device), y.to(device)), None
+        return DataSet(x.to(device), y.to(device), None if mask is None else mask.to(device)), None
     if pin:
         x, y = _pinned(x), _pinned(y)
+        mask = None if mask is None else _pinned(mask)
     with torch.cuda.device(device), torch.cuda.stream(stream):
-        moved = DataSet(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+        moved = DataSet(x.to(device, non_blocking=True), y.to(device, non_blocking=True),
+                        None if mask is None else mask.to(device, non_blocking=True))
         event = torch.cuda.Event()
         event.record(stream)
     return moved, event

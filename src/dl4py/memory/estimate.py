@@ -19,6 +19,8 @@ import torch
 
 from dl4py.backend.precision import resolve_precision
 from dl4py.config.layers import OutputLayer
+from dl4py.config.recurrent import RnnOutputLayer
+from dl4py.memory.sequence_ops import steps
 from dl4py.config.network import NetworkConfig
 from dl4py.config.updaters import Updater
 from dl4py.errors import ConfigError
@@ -145,9 +147,12 @@ def estimate(
     n = batch_size
 
     params = sum(op.param_elements for op in ops)
+    # A FrozenLayer's parameters take no gradient and no updater state (its masters remain:
+    # MasterWeights copies the whole module).
+    trained = sum(op.param_elements for op in ops if not op.frozen)
     master = 4 * params if policy.master_weights and training else 0
     module_bytes = params * sizes.param + _buffer_bytes(ops, sizes.param)
-    state_bytes = updater.state_copies * params * sizes.state if training else 0
+    state_bytes = updater.state_copies * trained * sizes.state if training else 0
     timeline.alloc("parameters", module_bytes + master, "start")
     timeline.alloc("updater_state", state_bytes, "start")
     timeline.alloc("input", data_bytes, "start")
@@ -158,7 +163,7 @@ def estimate(
         activation_bytes = sum(saved.values())
         _backward(ops, n, sizes, timeline)
         _update(ops, updater, implementation, policy, sizes, timeline)
-        gradient_bytes = params * sizes.state
+        gradient_bytes = trained * sizes.state
     else:
         activation_bytes, gradient_bytes = 0, 0
         _inference(ops, n, sizes, timeline)
@@ -188,11 +193,14 @@ class _Sizes:
         self.autocast = low is not None
         self.state = 4 if policy.master_weights else self.param  # the updater steps these
         self.master = policy.master_weights
-        examples = math.prod(network.input_type.example_shape())
+        shape = network.input_type.example_shape()
+        time = steps(network) if None in shape else 1  # a variable-length sequence: at its given length
+        examples = math.prod(d or time for d in shape)
         self.example_bytes = examples * self.param  # convert_input casts to the parameter dtype
         output: OutputLayer = network.layers[-1]
-        self.classes = output.n_out
-        self.label_bytes = 8 if output.loss in ("negativeloglikelihood", "mcxent") else 4 * output.n_out
+        per_step = steps(network) if isinstance(output, RnnOutputLayer) else 1  # a label per step
+        self.classes = output.n_out * per_step
+        self.label_bytes = (8 if output.loss in ("negativeloglikelihood", "mcxent") else 4 * output.n_out) * per_step
         self.input_elements = examples
 
 
@@ -220,12 +228,28 @@ def _buffer_bytes(ops: list[Op], itemsize: int) -> int:
     return sum(op.param_elements * itemsize + 8 for op in ops if op.name == "batch_norm")
 
 
+def _first_recorded(ops: list[Op]) -> int:
+    """Index of the first op autograd records: the first with parameters that train. Below
+    it (frozen layers at the bottom) nothing needs a gradient, so nothing is saved for
+    backward and backward never reaches there."""
+    return next((j for j, op in enumerate(ops) if op.params and not op.frozen), len(ops))
+
+
 def _forward(ops: list[Op], n: int, sizes: _Sizes, t: Timeline) -> dict[int, int]:
     """Run the forward pass; return the bytes each layer leaves saved for backward."""
     saved: dict[int, int] = {}
     act = sizes.activation
+    recorded = _first_recorded(ops)
     for j, op in enumerate(ops):
         phase = f"forward, layer {op.layer} ({op.name})"
+        if j < recorded:  # as in inference: a result lives until the next op has used it
+            t.alloc("activations", n * op.out_elements * act, phase)
+            # Max pooling on a CPU computes its indices with or without a gradient to come.
+            extra = t.alloc("activations", n * op.extra_bytes + op.extra_fixed_bytes, phase)
+            t.free("activations", extra)
+            if j > 0:
+                t.free("activations", n * ops[j - 1].out_elements * act)
+            continue
         if sizes.autocast and op.autocast:  # 16-bit copies of its parameters, and of a float input
             for elements, _ in _autocast_copies(ops, j):
                 t.alloc("activations", elements * act, phase)
@@ -237,7 +261,7 @@ def _forward(ops: list[Op], n: int, sizes: _Sizes, t: Timeline) -> dict[int, int
         if j > 0 and not _kept(ops, j - 1):  # its input is no longer needed by anyone
             t.free("activations", n * ops[j - 1].out_elements * act)
     if sizes.autocast:  # leaving autocast frees the parameter copies autograd did not save
-        for j in range(len(ops)):
+        for j in range(recorded, len(ops)):
             for elements, kept in _autocast_copies(ops, j):
                 if not kept:
                     t.free("activations", elements * act)
@@ -266,7 +290,7 @@ def _autocast_copies(ops: list[Op], j: int) -> list[tuple[int, bool]]:
     op = ops[j]
     if not op.autocast:
         return []
-    weight_saved = op.name == "conv2d" or any(earlier.params for earlier in ops[:j])
+    weight_saved = op.name == "conv2d" or any(earlier.params and not earlier.frozen for earlier in ops[:j])
     return [(elements, i == 0 and weight_saved) for i, (elements, _) in enumerate(op.params)]
 
 
@@ -277,17 +301,19 @@ def _backward(ops: list[Op], n: int, sizes: _Sizes, t: Timeline) -> None:
     grad_out = t.alloc("workspace", n * sizes.classes * act, "backward, loss")
     t.free("workspace", 2 * n * sizes.classes * 4)
     t.free("activations", n * sizes.classes * (act + (4 if act < 4 else 0) + 4) - n * ops[-1].out_elements * act)
-    for j in range(len(ops) - 1, -1, -1):
+    recorded = _first_recorded(ops)
+    for j in range(len(ops) - 1, recorded - 1, -1):
         op = ops[j]
         phase = f"backward, layer {op.layer} ({op.name})"
-        grad_in = n * ops[j - 1].out_elements * act if j > 0 else 0  # the batch needs no gradient
+        # Neither the batch nor the output of frozen layers below needs a gradient.
+        grad_in = n * ops[j - 1].out_elements * act if j > recorded else 0
         t.alloc("workspace", grad_in, phase)
-        cast = sizes.autocast and op.autocast and op.params
+        cast = sizes.autocast and op.autocast and op.params and not op.frozen
         # The parameters' gradients: under autocast, first in 16 bits (for the cast copy).
         if cast:
             for elements, _ in op.params:
                 t.alloc("workspace", elements * act, phase)
-        else:
+        elif not op.frozen:
             t.alloc("gradients", op.param_elements * sizes.param, phase)
         # The node is done: it frees what it saved, and the gradient it consumed.
         t.free("workspace", grad_out)
@@ -311,7 +337,7 @@ def _backward(ops: list[Op], n: int, sizes: _Sizes, t: Timeline) -> None:
 
 
 def _update(ops: list[Op], updater: Updater, implementation: str, policy, sizes: _Sizes, t: Timeline) -> None:
-    tensors = [p for op in ops for p in op.params]
+    tensors = [p for op in ops if not op.frozen for p in op.params]
     if sizes.master:  # 16-bit gradients become float32 gradients of the masters, one by one
         for elements, _ in tensors:
             t.alloc("gradients", elements * 4, "update, gradients to float32 masters")

@@ -11,8 +11,10 @@ keep their input.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+from dl4py.config.frozen import is_frozen, unfrozen
 from dl4py.config.layers import (
     ActivationLayer,
     BatchNormalization,
@@ -24,6 +26,8 @@ from dl4py.config.layers import (
     SubsamplingLayer,
 )
 from dl4py.config.network import NetworkConfig
+from dl4py.config.recurrent import SEQUENCE_MODULES, RnnOutputLayer
+from dl4py.memory.sequence_ops import elements, sequence_ops
 
 # Activations that autograd differentiates from their result, and from their input.
 _SAVES_RESULT = {"relu", "tanh", "sigmoid", "softmax"}
@@ -46,6 +50,7 @@ class Op:
     # (nn.optimizers.param_groups); its temporaries follow these sizes and groups.
     params: tuple[tuple[int, float], ...] = ()
     autocast: bool = False  # autocast runs it in 16 bits (casting its input and parameters)
+    frozen: bool = False  # a FrozenLayer's: its parameters take no gradient and no updater state
 
     @property
     def param_elements(self) -> int:
@@ -56,10 +61,13 @@ def network_ops(config: NetworkConfig) -> list[Op]:
     """The forward operators of ``config``'s network, in order."""
     ops: list[Op] = []
     for shapes in config.layer_shapes():
-        layer, i = shapes.layer, shapes.index
-        n_in, n_out = shapes.input.size, shapes.output.size
+        layer, i = unfrozen(shapes.layer), shapes.index
+        first = len(ops)
+        n_in, n_out = elements(shapes.input, config), elements(shapes.output, config)
         l2 = _l2(layer, config)
-        if isinstance(layer, DenseLayer):
+        if isinstance(layer, SEQUENCE_MODULES + (RnnOutputLayer,)):
+            ops += sequence_ops(layer, i, shapes, config, l2, Op)
+        elif isinstance(layer, DenseLayer):
             params = _params(n_in * layer.n_out, layer.n_out if layer.has_bias else 0, l2)
             ops.append(Op(i, "linear", n_out, True, False, params=params, autocast=True))
             if not isinstance(layer, OutputLayer):  # the output's activation is fused into the loss
@@ -88,6 +96,8 @@ def network_ops(config: NetworkConfig) -> list[Op]:
             ops.append(Op(i, f"global_{layer.pooling_type}_pool", n_out, keeps, keeps))
         else:
             raise TypeError(f"the memory estimator has no rule for layer type {type(layer).__name__}")
+        if is_frozen(shapes.layer):
+            ops[first:] = [dataclasses.replace(op, frozen=True) for op in ops[first:]]
     return ops
 
 

@@ -4,5 +4,6 @@ from dl4py.nn.model import Model
 from dl4py.nn.network import MultiLayerNetwork
 from dl4py.nn.loading import load
 from dl4py.nn.torch_model import TorchModel
+from dl4py.nn.transfer import FineTuneConfiguration, TransferLearning
 
-__all__ = ["Model", "MultiLayerNetwork", "TorchModel", "load"]
+__all__ = ["FineTuneConfiguration", "Model", "MultiLayerNetwork", "TorchModel", "TransferLearning", "load"]

@@ -28,6 +28,7 @@ from dl4py.config.layers import (
     Shape,
     SubsamplingLayer,
 )
+from dl4py.config.frozen import is_frozen, unfrozen
 from dl4py.config.network import NetworkConfig
 
 ACTIVATIONS = {
@@ -68,12 +69,34 @@ class GlobalPool(nn.Module):
         return torch.sum(x, dim=(2, 3))
 
 
-def build_module(config: NetworkConfig, generator: torch.Generator) -> nn.Sequential:
-    """All layers as ``nn.Sequential(layer0, layer1, ...)``, initialised from ``generator``."""
+class FrozenSequential(nn.Sequential):
+    """A FrozenLayer's parts: parameters without gradients, always in inference mode
+    (DL4J's FrozenLayer): batch norm keeps its running statistics, dropout drops nothing.
+    Its parameter names are those of an unfrozen layer (``4.op.weight``), so weights move
+    between a network and its transferred copy by name."""
+
+    def __init__(self, parts):
+        super().__init__(parts)
+        self.requires_grad_(False)
+        super().train(False)
+
+    def train(self, mode: bool = True):
+        return super().train(False)
+
+
+def build_module(config: NetworkConfig, generator: torch.Generator, masks=None) -> nn.Sequential:
+    """All layers as ``nn.Sequential(layer0, layer1, ...)``, initialised from ``generator``.
+    ``masks``: the ``SequenceMask`` the model sets per batch, for layers that read it."""
+    from dl4py.config.recurrent import SEQUENCE_MODULES
+    from dl4py.nn.recurrent import SequenceMask, recurrent_parts
+
+    masks = SequenceMask() if masks is None else masks
     modules = []
     data_shape = Shape("ff", config.input_type.example_shape())
     if len(data_shape.dims) == 3:
         data_shape = Shape("cnn", data_shape.dims)
+    elif len(data_shape.dims) == 2:
+        data_shape = Shape("rnn", data_shape.dims)
     for shapes in config.layer_shapes():
         # Stable names (``4.op.weight``) whether or not a preprocessor is inserted.
         parts = OrderedDict()
@@ -81,11 +104,16 @@ def build_module(config: NetworkConfig, generator: torch.Generator) -> nn.Sequen
             parts["preprocess"] = Reshape(shapes.input.dims)
         elif data_shape.kind == "cnn" and shapes.input.kind == "ff":
             parts["preprocess"] = nn.Flatten(1)
-        op, activation = _layer_parts(shapes.layer, shapes.input, config, generator)
+        layer = unfrozen(shapes.layer)
+        if isinstance(layer, SEQUENCE_MODULES):
+            where = f"network.layers[{shapes.index}]"
+            op, activation = recurrent_parts(layer, shapes.input, config, generator, masks, where, _init_weight)
+        else:
+            op, activation = _layer_parts(layer, shapes.input, config, generator)
         parts["op"] = op
         if activation is not None:
             parts["activation"] = activation
-        modules.append(nn.Sequential(parts))
+        modules.append(FrozenSequential(parts) if is_frozen(shapes.layer) else nn.Sequential(parts))
         data_shape = shapes.output
     return nn.Sequential(*modules)
 
@@ -98,7 +126,8 @@ def _activation(layer: Layer, config: NetworkConfig) -> nn.Module:
 def _layer_parts(layer: Layer, shape: Shape, config: NetworkConfig, gen) -> tuple[nn.Module, nn.Module | None]:
     """The layer's operation and its activation (None where it has none)."""
     if isinstance(layer, DenseLayer):  # OutputLayer included
-        linear = nn.Linear(shape.size, layer.n_out, bias=layer.has_bias)
+        n_in = shape.dims[-1] if shape.kind == "rnn" else shape.size  # RnnOutputLayer: per step
+        linear = nn.Linear(n_in, layer.n_out, bias=layer.has_bias)
         _init_weight(linear.weight, layer.weight_init or config.weight_init, gen)
         if linear.bias is not None:
             nn.init.zeros_(linear.bias)

@@ -295,6 +295,7 @@ class Model:
             features = torch.cat([b.features for b in as_iterator(features, batch_size, label=label, labelled=False)])
         x = _as_tensor(features, "features")
         self.check_features(x, "output(features)")
+        self.set_mask(None)  # whole sequences: a training batch's mask must not apply
         outs = []
         with self._inference():
             for start in range(0, x.shape[0], batch_size):
@@ -376,7 +377,15 @@ class Model:
         # a GPU-to-CPU copy would be read by the CPU before it lands.
         non_blocking = device.type == "cuda"
         x = self.prepare_input(batch.features.to(device, non_blocking=non_blocking))
+        mask = getattr(batch, "features_mask", None)
+        self.set_mask(None if mask is None else mask.to(device, non_blocking=non_blocking))
         return x, batch.labels.to(device, non_blocking=non_blocking)
+
+    def set_mask(self, mask: torch.Tensor | None) -> None:
+        """Use ``mask`` ``[n, time]`` (1 real step, 0 padding) for the next forward passes and
+        losses, as DL4J's ``setLayerMaskArrays``; ``prepare_batch`` sets each batch's."""
+        if mask is not None:
+            raise DataError(f"{type(self).__name__} takes no sequence masks; its batches must have none")
 
     def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
         """Raw features on the device -> normalized, in the precision's dtype and the module's

@@ -8,9 +8,11 @@ from dl4py.backend import Backend, Precision
 from dl4py.backend.cuda_environment import environment
 from dl4py.config.network import NetworkConfig
 from dl4py.errors import DataError
+from dl4py.config.recurrent import RnnOutputLayer
 from dl4py.nn.builder import OutputLoss, build_module
 from dl4py.nn.model import Model
 from dl4py.nn.optimizers import make_optimizer, optimizer_kernel, param_groups
+from dl4py.nn.recurrent import RnnOutputLoss, SequenceMask
 from dl4py.nn.summary import summary_table
 
 
@@ -35,14 +37,16 @@ class MultiLayerNetwork(Model):
         super().__init__(backend, precision)
         self.config = config
         self.seed = config.seed
-        self._loss = OutputLoss(config.layers[-1])
+        self._masks = SequenceMask()  # the batch's sequence mask, read by layers and loss
+        output = config.layers[-1]
+        self._loss = RnnOutputLoss(output, self._masks) if isinstance(output, RnnOutputLayer) else OutputLoss(output)
         self._shapes = config.layer_shapes()
 
     def _build(self, device: torch.device, dtype: torch.dtype):
         # Parameters come from a generator seeded by the config, so the same config and
         # seed give the same network whatever else the program did with torch's RNG.
         generator = torch.Generator().manual_seed(self.config.seed)
-        module = build_module(self.config, generator).to(device=device, dtype=dtype)
+        module = build_module(self.config, generator, self._masks).to(device=device, dtype=dtype)
         kernel = optimizer_kernel(environment().fused_optimizer, self.config.updater, device,
                                   loss_scaling=self.precision.uses_loss_scaling)
         optimizer = make_optimizer(self.config.updater, param_groups(self.config, module), kernel)
@@ -62,15 +66,29 @@ class MultiLayerNetwork(Model):
     def n_out(self) -> int:
         return self.config.layers[-1].n_out
 
+    def set_mask(self, mask: torch.Tensor | None) -> None:
+        self._masks.current = mask
+
     def check_features(self, features: torch.Tensor, where: str) -> None:
-        expected = self.config.input_type.example_shape()
-        if tuple(features.shape[1:]) != expected:
+        expected = self.config.input_type.example_shape()  # None: a sequence of any length
+        got = tuple(features.shape[1:])
+        if len(got) != len(expected) or any(e is not None and g != e for g, e in zip(got, expected)):
+            shown = ", ".join("time" if e is None else str(e) for e in expected)
             raise DataError(
                 f"{where}: features have shape {list(features.shape)} but the network's input type "
-                f"{self.config.input_type.type_name} expects [n, {', '.join(map(str, expected))}]"
+                f"{self.config.input_type.type_name} expects [n, {shown}]"
             )
 
     def check_labels(self, labels: torch.Tensor, where: str) -> None:
+        if isinstance(self.config.layers[-1], RnnOutputLayer):  # per step: [n, time] or [n, time, k]
+            if labels.dim() == 3 and labels.shape[2] == self.n_out:
+                return
+            if labels.dim() != 2:
+                raise DataError(
+                    f"{where}: labels have shape {list(labels.shape)} but rnn_output needs one label per "
+                    f"step: [n, time] class indices or [n, time, {self.n_out}] targets"
+                )
+            labels = labels.reshape(-1)
         if labels.dim() == 1:
             if labels.is_floating_point():
                 raise DataError(f"{where}: 1-D labels must be integer class indices, got {labels.dtype}")

@@ -25,7 +25,8 @@ _KERNEL_FLAGS = {"loop": {"foreach": False}, "foreach": {"foreach": True}, "fuse
 
 
 def param_groups(config: NetworkConfig, module: nn.Sequential) -> list[dict]:
-    """One group per distinct L2 value. Biases and batch-norm parameters get no L2 (DL4J's default)."""
+    """One group per distinct L2 value. Biases and batch-norm parameters get no L2 (DL4J's
+    default); a FrozenLayer's parameters are in no group, so the updater keeps no state for them."""
     groups: dict[float, list[torch.nn.Parameter]] = {}
     decayed = isinstance(config.updater, AdamW)
     for layer, layer_module in zip(config.layers, module):
@@ -34,7 +35,10 @@ def param_groups(config: NetworkConfig, module: nn.Sequential) -> list[dict]:
         if decayed:
             l2 = config.updater.weight_decay
         for name, param in layer_module.named_parameters():
-            is_weight = name.endswith("weight") and not isinstance(layer, BatchNormalization)
+            if not param.requires_grad:  # a FrozenLayer's: no updater state, no L2
+                continue
+            # "weight", and a recurrent layer's "weight_ih_l0" / "weight_hh_l0"; never a bias.
+            is_weight = name.rsplit(".", 1)[-1].startswith("weight") and not isinstance(layer, BatchNormalization)
             groups.setdefault(l2 if is_weight else 0.0, []).append(param)
     return [{"params": params, "weight_decay": l2} for l2, params in groups.items()]
 

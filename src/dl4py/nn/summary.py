@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from dl4py.config.frozen import is_frozen, unfrozen
 from dl4py.config.network import NetworkConfig
 from dl4py.nn.builder import build_module
 
@@ -19,7 +20,10 @@ def summary_table(config: NetworkConfig, module: torch.nn.Sequential | None = No
     for shapes, layer_module in zip(config.layer_shapes(), module):
         count = sum(p.numel() for p in layer_module.parameters())
         total += count
-        rows.append((str(shapes.index), shapes.layer.type_name, str(shapes.input), str(shapes.output), f"{count:,}"))
+        name = shapes.layer.type_name
+        if is_frozen(shapes.layer):
+            name = f"{unfrozen(shapes.layer).type_name} (frozen)"
+        rows.append((str(shapes.index), name, str(shapes.input), str(shapes.output), f"{count:,}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [
         "  ".join(cell.rjust(w) if i in (0, 4) else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths)))

@@ -37,6 +37,18 @@ POLL_SECONDS = 0.2
 END_OF_EPOCH = "end-of-epoch"
 
 
+MASKS_NOT_CARRIED = ("parallel training does not carry sequence masks (features_mask) yet, and without them the "
+                     "padded steps would train as real ones: train sequences of different lengths on one device, "
+                     "or give every sequence the same length and no mask")
+
+
+def refuse_masked(batch) -> None:
+    """A batch with a features mask cannot go to a worker: the mask would be dropped on the
+    way and the padding trained on, a silently wrong result."""
+    if getattr(batch, "features_mask", None) is not None:
+        raise DataError(MASKS_NOT_CARRIED)
+
+
 def batches_per_epoch(iterator) -> int:
     try:
         return len(iterator)
@@ -170,6 +182,7 @@ def deal_batches(iterator, inboxes, epochs: int, first_epoch: int, stop_event, t
             count += 1
             if index < start:
                 continue  # trained before the resume
+            refuse_masked(batch)
             put_bounded(inboxes[(index - start) % len(inboxes)], (job, (batch.features, batch.labels)), stop_event,
                         timeout)
             if stop_event.is_set():
@@ -223,6 +236,7 @@ class Prefetcher:
 
     def _move(self, item):
         round_index, batch = item
+        refuse_masked(batch)  # a source that reads the user's iterator itself (StrideSource)
         return (round_index, *copy_to_device(batch, self._device, self._pin, self._stream))
 
     def _ready(self, moved) -> tuple[int, torch.Tensor, torch.Tensor]:

@@ -2,7 +2,8 @@
 
 Every trainer runs this same function (the single-device loop now, each parallel worker
 later), so a model trains identically whichever runs it. The precision policy decides
-the extras: autocast, loss scaling, float32 master weights; a scheduled learning rate is
+the extras: autocast, loss scaling, float32 master weights; gradient normalization (DL4J's
+GradientNormalization, on unscaled gradients); a scheduled learning rate is
 set from the count of applied updates, which an update skipped for an fp16 overflow does
 not advance.
 """
@@ -13,6 +14,8 @@ import weakref
 from typing import Callable
 
 import torch
+
+from dl4py.train.gradient_normalization import gradient_normalizer
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -64,7 +67,8 @@ def make_train_step(model, gradient_hook=None) -> Callable[[torch.Tensor, torch.
     precision, device = model.precision, model.backend.device
     master, scaler = model.master, model.scaler
     scheduled = model.learning_rate_at(0, 0) is not None
-    plain = master is None and scaler is None and precision.autocast_dtype is None
+    normalizer = gradient_normalizer(model)
+    plain = master is None and scaler is None and precision.autocast_dtype is None and normalizer is None
 
     if plain and not scheduled and gradient_hook is None:
 
@@ -92,7 +96,11 @@ def make_train_step(model, gradient_hook=None) -> Callable[[torch.Tensor, torch.
             if master is not None:
                 master.grads_to_master()
         if gradient_hook is not None:
-            gradient_hook(took_part)
+            gradient_hook(took_part)  # shared first: the norms are those of the averaged gradient
+        if normalizer is not None:
+            if scaler is not None:  # thresholds are for true gradients; step() then skips its own unscale
+                scaler.unscale_(optimizer)
+            normalizer.normalize()
         if scheduled:
             lr = model.learning_rate_at(model.update_count, model.epoch_count)
             for group in optimizer.param_groups:

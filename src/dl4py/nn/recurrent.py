@@ -1,0 +1,165 @@
+"""Modules and the per-step loss of the recurrent and embedding layers (config/recurrent.py).
+
+Sequences are ``[batch, time, size]``. Variable-length sequences come padded at the end
+with a mask ``[batch, time]`` (1 for a real step, 0 for padding), as DL4J's feature mask
+array. As DL4J's ``setLayerMaskArrays``, the model puts the batch's mask in a ``SequenceMask``
+its modules and loss share, before the forward pass:
+
+- LSTM/GRU run over the whole padded batch (one cuDNN call, no packing): they run forward
+  in time, so padding at the end cannot reach a real step; their outputs at padded steps
+  are zeroed, as DL4J does, so the next layer sees nothing of the padding either;
+- LastTimeStep takes each sequence's last real step;
+- RnnOutputLayer's loss is the mean over real steps only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dl4py.config.recurrent import (
+    GRU,
+    LSTM,
+    EmbeddingLayer,
+    EmbeddingSequenceLayer,
+    LastTimeStep,
+    RnnOutputLayer,
+)
+from dl4py.errors import DataError
+
+
+class SequenceMask:
+    """The current batch's mask ``[batch, time]``, or None for sequences without padding.
+    A plain holder (not a module, not saved): the model sets ``current`` for each batch."""
+
+    def __init__(self):
+        self.current: torch.Tensor | None = None
+
+
+class RecurrentOp(nn.Module):
+    """``nn.LSTM`` / ``nn.GRU`` (batch first), its outputs zeroed at padded steps."""
+
+    def __init__(self, rnn: nn.RNNBase, masks: SequenceMask):
+        super().__init__()
+        self.rnn = rnn
+        self.masks = masks
+
+    def forward(self, x):
+        out, _ = self.rnn(x)
+        return _zero_padding(out, self.masks.current)
+
+
+class LastStep(nn.Module):
+    """The output of ``op`` at each sequence's last real step: ``[n, time, h] -> [n, h]``."""
+
+    def __init__(self, op: RecurrentOp, masks: SequenceMask):
+        super().__init__()
+        self.op = op
+        self.masks = masks
+
+    def forward(self, x):
+        out = self.op(x)
+        mask = self.masks.current
+        if mask is None:
+            return out[:, -1]
+        last = (mask.sum(dim=1).long() - 1).clamp_min(0)  # a left-aligned mask: its length - 1
+        return out[torch.arange(out.shape[0], device=out.device), last]
+
+
+class Embedding(nn.Module):
+    """Indices (held as floating-point features, one per example or step, in a trailing
+    axis of size 1) -> vectors. ``sequence``: ``[n, time, 1] -> [n, time, n_out]``, padding
+    zeroed; else ``[n, 1] -> [n, n_out]``."""
+
+    def __init__(self, vocab_size: int, n_out: int, sequence: bool, masks: SequenceMask, where: str):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab_size, n_out)
+        self.sequence = sequence
+        self.masks = masks
+        self.where = where
+
+    def forward(self, x):
+        indices = x[..., 0]
+        if indices.device.type == "cpu":  # on a GPU a wrong index is the kernel's assertion
+            _check_indices(indices, self.embedding.num_embeddings, self.where)
+        out = self.embedding(indices.long())
+        return _zero_padding(out, self.masks.current) if self.sequence else out
+
+    def extra_repr(self) -> str:
+        return f"sequence={self.sequence}"
+
+
+def _check_indices(indices: torch.Tensor, vocab_size: int, where: str) -> None:
+    if not indices.numel():
+        return
+    if indices.is_floating_point() and not torch.equal(indices, indices.round()):
+        raise DataError(f"{where}: embedding inputs must be whole-number indices, got {indices.flatten()[:5].tolist()}...")
+    low, high = float(indices.min()), float(indices.max())
+    if low < 0 or high >= vocab_size:
+        raise DataError(f"{where}: index {int(low if low < 0 else high)} is outside the embedding's "
+                        f"vocab_size {vocab_size} [0, {vocab_size})")
+
+
+def _zero_padding(out: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    if mask is None:
+        return out
+    return out * mask.unsqueeze(-1).to(out.dtype)
+
+
+def recurrent_parts(layer, shape, config, gen, masks: SequenceMask, where: str, init_weight):
+    """The module of a recurrent or embedding layer (its activation inside, or None)."""
+    if isinstance(layer, LastTimeStep):
+        op, _ = recurrent_parts(layer.layer, shape, config, gen, masks, where, init_weight)
+        return LastStep(op, masks), None
+    if isinstance(layer, (LSTM, GRU)):
+        cls = nn.LSTM if isinstance(layer, LSTM) else nn.GRU
+        rnn = cls(shape.dims[1], layer.n_out, batch_first=True)
+        scheme = layer.weight_init or config.weight_init
+        init_weight(rnn.weight_ih_l0, scheme, gen)
+        init_weight(rnn.weight_hh_l0, scheme, gen)
+        nn.init.zeros_(rnn.bias_ih_l0)
+        nn.init.zeros_(rnn.bias_hh_l0)
+        if isinstance(layer, LSTM):  # PyTorch's gate order: input, forget, cell, output
+            with torch.no_grad():
+                rnn.bias_ih_l0[layer.n_out : 2 * layer.n_out] = layer.forget_gate_bias_init
+        return RecurrentOp(rnn, masks), None
+    if isinstance(layer, (EmbeddingLayer, EmbeddingSequenceLayer)):
+        module = Embedding(layer.vocab_size, layer.n_out, isinstance(layer, EmbeddingSequenceLayer),
+                           masks, where)
+        init_weight(module.embedding.weight, layer.weight_init or config.weight_init, gen)
+        from dl4py.nn.builder import ACTIVATIONS
+
+        activation = None if layer.activation in (None, "identity") else ACTIVATIONS[layer.activation]()
+        if layer.activation == "softmax":
+            activation = nn.Softmax(dim=-1)
+        return module, activation
+    raise TypeError(f"no module builder for layer type {type(layer).__name__}")
+
+
+class RnnOutputLoss:
+    """RnnOutputLayer's loss: the output layer's loss at every real step, averaged over
+    them (padded steps count nothing). Scores ``[n, time, k]``; labels ``[n, time]`` class
+    indices or ``[n, time, k]`` targets."""
+
+    def __init__(self, layer: RnnOutputLayer, masks: SequenceMask):
+        from dl4py.nn.builder import OutputLoss
+
+        self.step_loss = OutputLoss(layer)
+        self.masks = masks
+        self.n_out = layer.n_out
+
+    def __call__(self, scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        mask = self.masks.current
+        if mask is None:
+            steps = scores.reshape(-1, self.n_out)
+            targets = labels.reshape(-1) if labels.dim() == 2 else labels.reshape(-1, self.n_out)
+        else:
+            real = mask.bool()
+            steps, targets = scores[real], labels[real]
+        return self.step_loss(steps, targets)
+
+    def activate(self, scores: torch.Tensor) -> torch.Tensor:
+        return self.step_loss.activate(scores.reshape(-1, self.n_out)).reshape(scores.shape)
+
+
+__all__ = ["SequenceMask", "RnnOutputLoss", "recurrent_parts"]

@@ -1,0 +1,191 @@
+"""DL4J's GradientNormalization: each mode against numbers worked out by hand, the layer's
+own setting over the network's, unscaling before clipping under fp16 loss scaling, an
+exploding regression that clipping rescues, and the config keys."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dl4py import DenseLayer, InputType, MultiLayerNetwork, NetworkConfig, OutputLayer, Sgd
+from dl4py.errors import ConfigError, TrainingError
+
+# One linear output unit, zero weights, x = [3, 4], target 1, mse: the prediction is 0, the
+# loss (0 - 1)^2 and its gradient 2 (0 - 1) = -2, so dW = -2 x = [-6, -8] and db = -2. With
+# SGD at learning rate 1 the weights after one step are minus the normalized gradient.
+X = torch.tensor([[3.0, 4.0]], dtype=torch.float64)
+Y = torch.tensor([[1.0]], dtype=torch.float64)
+ROOT104 = math.sqrt(36 + 64 + 4)  # the layer's L2 norm: weights and bias together
+
+HAND = {  # mode, threshold -> (W, b) after the step
+    ("none", 1.0): ([6, 8], 2),
+    ("clip_element_wise_absolute_value", 5.0): ([5, 5], 2),
+    ("clip_l2_per_layer", 5.0): ([6 * 5 / ROOT104, 8 * 5 / ROOT104], 2 * 5 / ROOT104),
+    ("clip_l2_per_layer", 20.0): ([6, 8], 2),  # under the threshold: untouched
+    ("clip_l2_per_param_type", 5.0): ([3, 4], 2),  # ||dW|| = 10 is clipped to 5, ||db|| = 2 is not
+    ("renormalize_l2_per_layer", 1.0): ([6 / ROOT104, 8 / ROOT104], 2 / ROOT104),
+    ("renormalize_l2_per_param_type", 1.0): ([0.6, 0.8], 1),
+}
+
+
+def _one_unit(precision="double", **settings) -> MultiLayerNetwork:
+    config = NetworkConfig(
+        layers=[OutputLayer(n_out=1, loss="mse", activation="identity", weight_init="zero")],
+        input_type=InputType.feed_forward(2), updater=Sgd(1.0), **settings,
+    )
+    return MultiLayerNetwork(config, precision=precision).init()
+
+
+@pytest.mark.parametrize("mode, threshold", list(HAND))
+def test_each_mode_matches_the_hand_computation(mode, threshold):
+    net = _one_unit(gradient_normalization=mode, gradient_normalization_threshold=threshold)
+    net.train_step(X, Y)
+    weight, bias = HAND[(mode, threshold)]
+    layer = net.module[0].op
+    torch.testing.assert_close(layer.weight.detach(), torch.tensor([weight], dtype=torch.float64), rtol=1e-12, atol=0)
+    torch.testing.assert_close(layer.bias.detach(), torch.tensor([bias], dtype=torch.float64), rtol=1e-12, atol=0)
+
+
+def test_dl4j_names_are_accepted_and_stored_canonically():
+    config = _one_unit(gradient_normalization="ClipL2PerParamType").config
+    assert config.gradient_normalization == "clip_l2_per_param_type"
+    built = (NetworkConfig.builder().gradient_normalization("GradientNormalization.ClipL2PerLayer")
+             .gradient_normalization_threshold(0.5).layer(OutputLayer(n_out=1))
+             .input_type(InputType.feed_forward(2)).build())  # DL4J's builder calls
+    assert (built.gradient_normalization, built.gradient_normalization_threshold) == ("clip_l2_per_layer", 0.5)
+
+
+def test_under_fp16_loss_scaling_the_gradient_is_unscaled_before_clipping():
+    net = _one_unit(precision="mixed-fp16", gradient_normalization="clip_element_wise_absolute_value",
+                    gradient_normalization_threshold=5.0)
+    net.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)  # scaled dW is -6144: clipped, it would be 5/1024
+    net.train_step(X.float(), Y.float())
+    layer = net.module[0].op
+    assert layer.weight.tolist() == [[5.0, 5.0]] and layer.bias.tolist() == [2.0]
+
+
+def _two_layers(**settings) -> MultiLayerNetwork:
+    first = {key[len("first_"):]: value for key, value in settings.items() if key.startswith("first_")}
+    config = NetworkConfig(
+        layers=[DenseLayer(n_out=3, activation="tanh", **first),
+                OutputLayer(n_out=2, loss="mse", activation="identity")],
+        input_type=InputType.feed_forward(4), updater=Sgd(1.0), seed=7,
+        **{key: value for key, value in settings.items() if not key.startswith("first_")},
+    )
+    return MultiLayerNetwork(config, precision="double").init()
+
+
+def _updates(**settings) -> list[list[torch.Tensor]]:
+    """Per layer, the change of each parameter in one SGD(1) step: minus its normalized gradient."""
+    gen = torch.Generator().manual_seed(3)
+    x = 5 * torch.randn(8, 4, generator=gen, dtype=torch.float64)
+    y = torch.randn(8, 2, generator=gen, dtype=torch.float64)
+    net = _two_layers(**settings)
+    before = [[p.detach().clone() for p in layer.parameters()] for layer in net.module]
+    net.train_step(x, y)
+    return [[b - p.detach() for b, p in zip(old, layer.parameters())] for old, layer in zip(before, net.module)]
+
+
+def test_each_layer_is_clipped_by_its_own_norm():
+    raw = _updates()
+    clipped = _updates(gradient_normalization="clip_l2_per_layer", gradient_normalization_threshold=0.5)
+    for raw_layer, clipped_layer in zip(raw, clipped):
+        norm = math.sqrt(sum(float((g * g).sum()) for g in raw_layer))
+        assert norm > 0.5  # both layers are over the threshold, each with its own norm
+        for g, c in zip(raw_layer, clipped_layer):
+            torch.testing.assert_close(c, g * (0.5 / norm), rtol=1e-12, atol=1e-15)
+
+
+def test_a_layers_own_setting_wins_over_the_networks():
+    raw = _updates()
+    mixed = _updates(gradient_normalization="clip_element_wise_absolute_value",
+                     gradient_normalization_threshold=0.01, first_gradient_normalization="none")
+    for g, c in zip(raw[0], mixed[0]):  # layer 0 says none
+        assert torch.equal(g, c)
+    for g, c in zip(raw[1], mixed[1]):  # the output layer follows the network
+        assert g.abs().max() > 0.01
+        torch.testing.assert_close(c, g.clamp(-0.01, 0.01), rtol=1e-12, atol=1e-15)
+    own_threshold = _updates(first_gradient_normalization="clip_element_wise_absolute_value",
+                             first_gradient_normalization_threshold=0.02)
+    for g, c in zip(raw[0], own_threshold[0]):
+        torch.testing.assert_close(c, g.clamp(-0.02, 0.02), rtol=1e-12, atol=1e-15)
+    for g, c in zip(raw[1], own_threshold[1]):
+        assert torch.equal(g, c)
+
+
+def _exploding(**settings) -> tuple[MultiLayerNetwork, torch.Tensor, torch.Tensor]:
+    # Unscaled inputs (standard deviation 30) make the loss's curvature ~2000: SGD at 0.01 overshoots
+    # further at every step. Clipping the per-layer norm to 5 bounds every step instead.
+    gen = torch.Generator().manual_seed(0)
+    x = 30 * torch.randn(256, 8, generator=gen)
+    y = x @ torch.randn(8, 1, generator=gen) / 30 + 0.1 * torch.randn(256, 1, generator=gen)
+    config = NetworkConfig(
+        layers=[DenseLayer(n_out=16, activation="relu"), OutputLayer(n_out=1, loss="mse", activation="identity")],
+        input_type=InputType.feed_forward(8), updater=Sgd(0.01), seed=1, **settings,
+    )
+    return MultiLayerNetwork(config).init(), x, y
+
+
+def test_an_exploding_gradient_diverges_without_clipping_and_trains_with_it():
+    net, x, y = _exploding()
+    with pytest.raises(TrainingError, match="NaN or infinite"):
+        net.fit((x, y), epochs=5, batch_size=32, verbose=0)
+    net, x, y = _exploding(gradient_normalization="clip_l2_per_layer", gradient_normalization_threshold=5.0)
+    before = net.score((x, y))
+    net.fit((x, y), epochs=5, batch_size=32, verbose=0)
+    after = net.score((x, y))
+    assert math.isfinite(after) and after < 0.05 * before
+
+
+@pytest.mark.parametrize("settings, key", [
+    ({"gradient_normalization": "clip_everything"}, r"network\.gradient_normalization\b"),
+    ({"gradient_normalization_threshold": 0}, r"network\.gradient_normalization_threshold"),
+    ({"gradient_normalization_threshold": float("nan")}, r"network\.gradient_normalization_threshold"),
+    ({"layers": [{"type": "dense", "n_out": 3, "gradient_normalization_threshold": -1.0}, {"type": "output", "n_out": 2}]},
+     r"network\.layers\[0\]\.gradient_normalization_threshold"),
+    ({"layers": [{"type": "dense", "n_out": 3, "gradient_normalization": "sometimes"}, {"type": "output", "n_out": 2}]},
+     r"network\.layers\[0\]\.gradient_normalization\b"),
+])
+def test_bad_settings_are_named_by_key(settings, key):
+    data = {"input_type": {"type": "feed_forward", "size": 4},
+            "layers": [{"type": "dense", "n_out": 3}, {"type": "output", "n_out": 2}], **settings}
+    with pytest.raises(ConfigError, match=key):
+        NetworkConfig.from_dict(data)
+
+
+def test_settings_survive_a_yaml_and_json_round_trip():
+    config = NetworkConfig(
+        layers=[DenseLayer(n_out=3, gradient_normalization="RenormalizeL2PerLayer"),
+                OutputLayer(n_out=2, gradient_normalization_threshold=0.25)],
+        input_type=InputType.feed_forward(4), gradient_normalization="clip_l2_per_param_type",
+        gradient_normalization_threshold=2.5,
+    )
+    text = config.to_yaml()
+    assert "gradient_normalization: clip_l2_per_param_type" in text
+    assert NetworkConfig.from_yaml(text) == config and NetworkConfig.from_json(config.to_json()) == config
+    assert NetworkConfig.from_yaml(text).layers[0].gradient_normalization == "renormalize_l2_per_layer"
+
+
+def test_two_workers_sharing_gradients_clip_the_averaged_gradient_like_one_process():
+    # shared_gradients averages the two workers' gradients, then clips: one process stepping
+    # on each round's union (two equal batches of 8) with the same clipping must agree.
+    from dl4py import ArrayDataSetIterator
+    from dl4py.parallel import ParallelWrapper
+
+    gen = torch.Generator().manual_seed(0)
+    x = 4 * torch.randn(80, 4, generator=gen)
+    y = torch.randn(80, 2, generator=gen)
+    clip = dict(gradient_normalization="clip_l2_per_layer", gradient_normalization_threshold=0.3)
+    reference = _two_layers(**clip)
+    reference.fit(ArrayDataSetIterator(x.double(), y.double(), batch_size=16, shuffle=False), verbose=0)
+    net = MultiLayerNetwork(_two_layers(**clip).config, backend="cpu", precision="double")
+    ParallelWrapper(net, workers=2, training_mode="shared_gradients").fit(
+        ArrayDataSetIterator(x.double(), y.double(), batch_size=8, shuffle=False), epochs=1)
+    unclipped = _two_layers()
+    unclipped.fit(ArrayDataSetIterator(x.double(), y.double(), batch_size=16, shuffle=False), verbose=0)
+    for (name, a), b, c in zip(net.module.named_parameters(), reference.module.parameters(),
+                               unclipped.module.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=name)
+        assert not torch.allclose(a, c)  # the clipping made a difference
