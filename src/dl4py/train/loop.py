@@ -15,6 +15,7 @@ from dl4py.errors import DataError, DL4PyError
 from dl4py.train.epoch import EpochSummary, EpochTally, check_finite, epoch_rng, finish_epoch
 from dl4py.train.history import History
 from dl4py.train.interrupt import DeferredInterrupt
+from dl4py.train.progress import batches_of
 from dl4py.train.validation import validation_record
 
 # Where they were first defined; the epoch's parts now live in train/epoch.py.
@@ -85,7 +86,7 @@ def _run_epoch(model, iterator, listeners, interrupt) -> EpochSummary | None:
     skip = model.batch_in_epoch
     for listener in listeners:
         listener.on_epoch_start(model, epoch)
-    length = _length(iterator) if skip else None
+    length = batches_of(iterator) if skip else None
     if length is not None and skip > length:
         raise DataError(f"the model stopped after batch {skip} of epoch {epoch}, but this data has only {length} "
                         "batches per epoch: resume with the data (and batch size) it was trained on")
@@ -112,13 +113,6 @@ def _run_epoch(model, iterator, listeners, interrupt) -> EpochSummary | None:
                         "returning a fresh iterable")
     finish_epoch(model, tally.loss_sum, epoch)
     return tally.summary()  # no batches: stopped after its last one, its mean loss NaN
-
-
-def _length(iterator) -> int | None:
-    try:
-        return len(iterator)
-    except (TypeError, NotImplementedError):  # a source of unknown length (a stream, a user's iterator)
-        return None
 
 
 def data_source(model, iterator):

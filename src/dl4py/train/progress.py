@@ -162,7 +162,7 @@ def batches_of(iterator) -> int | None:
     """Batches in an epoch of ``iterator``; None for a source of unknown length."""
     try:
         return len(iterator)
-    except (TypeError, NotImplementedError):
+    except (TypeError, NotImplementedError):  # a stream, a user's iterator
         return None
 
 
