@@ -12,12 +12,12 @@ appends to the same ``metrics.jsonl`` and TensorBoard folder).
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 from dl4py.errors import ConfigError, DL4PyError
 from dl4py.io import atomic_write_json
+from dl4py.monitor.runs import read_json
 from dl4py.monitor.stats import METRICS_FILE, StatsListener
 from dl4py.monitor.storage import FileStatsStorage
 
@@ -97,7 +97,7 @@ def _open_mlflow(section, run_dir: Path, config, resumed: bool):
     from dl4py.monitor.mlflow import MLflowStatsStorage
 
     where = {"tracking_uri": section.mlflow, "experiment": section.mlflow_experiment}
-    recorded = _read_record(run_dir / MLFLOW_RECORD) if resumed else None
+    recorded = read_json(run_dir / MLFLOW_RECORD) if resumed else None
     run_id = recorded.get("run_id") if recorded and all(recorded.get(k) == v for k, v in where.items()) else None
     options = dict(tracking_uri=section.mlflow, experiment=section.mlflow_experiment, run_name=run_dir.name,
                    params=config.to_dict(), tags={"dl4py.run_dir": str(run_dir.resolve())})
@@ -119,14 +119,6 @@ def _open_mlflow(section, run_dir: Path, config, resumed: bool):
     atomic_write_json(run_dir / MLFLOW_RECORD, {**where, "experiment_id": storage.experiment_id,
                                                 "run_id": storage.run_id})
     return storage
-
-
-def _read_record(path: Path) -> dict | None:
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
 
 
 def _write_report(run_dir: Path) -> None:
