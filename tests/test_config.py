@@ -35,6 +35,15 @@ from dl4py.config import (
     SubsamplingLayer,
     Updater,
 )
+from dl4py.config import (
+    Convolution1DLayer,
+    Deconvolution2D,
+    LayerNormalization,
+    SelfAttentionLayer,
+    Subsampling1DLayer,
+    Upsampling2D,
+    ZeroPaddingLayer,
+)
 from dl4py.errors import ConfigError
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -52,8 +61,14 @@ SAMPLES = {
     "dense": DenseLayer(n_out=7, activation="tanh", weight_init="uniform", l2=0.001),
     "output": OutputLayer(n_out=3, activation="sigmoid", loss="xent", weight_init="normal"),
     "frozen": FrozenLayer(layer=ConvolutionLayer(n_out=3, kernel_size=2, activation="relu")),
+    "upsampling2d": Upsampling2D(size=(2, 3)),
+    "deconvolution2d": Deconvolution2D(n_out=3, kernel_size=(3, 2), stride=(2, 1), padding=(1, 0), dilation=(1, 2),
+                                       activation="relu", weight_init="uniform", l2=0.01, has_bias=False),
+    "zero_padding": ZeroPaddingLayer(padding=(1, 0, 2, 3)),
+    "layer_normalization": LayerNormalization(eps=1e-3),
 }
-CNN_TYPES = {"convolution", "subsampling", "global_pooling", "frozen"}
+CNN_TYPES = {"convolution", "subsampling", "global_pooling", "frozen", "upsampling2d", "deconvolution2d",
+             "zero_padding", "layer_normalization"}
 # Recurrent and embedding layers, each in a whole network: its input type and layers.
 SEQUENCE_SAMPLES = {
     "lstm": (InputType.recurrent(3, 5), [LSTM(n_out=4, weight_init="uniform", forget_gate_bias_init=0.5),
@@ -65,6 +80,14 @@ SEQUENCE_SAMPLES = {
                                               SAMPLES["output"]]),
     "embedding_sequence": (InputType.recurrent(1), [EmbeddingSequenceLayer(vocab_size=10, n_out=4),
                                                     RnnOutputLayer(n_out=2)]),
+    "convolution1d": (InputType.recurrent(3, 9), [Convolution1DLayer(n_out=4, kernel_size=2, stride=2, padding=1,
+                                                                     dilation=2, activation="gelu", l2=0.1),
+                                                  RnnOutputLayer(n_out=2)]),
+    "subsampling1d": (InputType.recurrent(3), [Subsampling1DLayer(pooling_type="avg", kernel_size=3, stride=1,
+                                                                  padding=1), RnnOutputLayer(n_out=2)]),
+    "self_attention": (InputType.recurrent(4), [SelfAttentionLayer(n_out=6, n_heads=3, head_size=4, weight_init="normal"),
+                                                SelfAttentionLayer(n_out=6, n_heads=2, project_input=False),
+                                                RnnOutputLayer(n_out=2)]),
 }
 SAMPLES.update({name: next(layer for layer in layers if layer.type_name == name)
                 for name, (_, layers) in SEQUENCE_SAMPLES.items()})

@@ -192,7 +192,9 @@ def test_max_time_stops_a_running_fit_part_way_through_its_first_epoch(parallel)
 
 def test_parallel_result_matches_the_single_kind_and_best_model_reproduces_its_score(tmp_path, mnist):
     config = RunConfig.from_file(ROOT / "examples" / "lenet_mnist.yaml").network
-    train = MnistDataSetIterator(128, train=True, seed=12345, limit=3072)
+    # 12 batches an epoch (6 rounds of 2 workers, averaged every 3): enough for the termination and
+    # saving logic under test; the best accuracy still passes 0.5 well (0.86 single, 0.70 parallel).
+    train = MnistDataSetIterator(128, train=True, seed=12345, limit=1536)
     validation = MnistDataSetIterator(500, train=False, shuffle=False, limit=1000)
 
     def es_config(folder):

@@ -230,9 +230,10 @@ def test_precision_from_config_and_command_line(tmp_path, mnist, capsys):
     from dl4py.cli import main
 
     out = tmp_path / "run"
+    # Two batches: what is under test is where the setting goes, and bfloat16 is slow on CPUs.
     code = main(["train", str(ROOT / "examples" / "lenet_mnist.yaml"), "--precision", "bfloat16",
-                 "--output", str(out), "--no-progress", "--set", "data.limit_train=1024",
-                 "--set", "data.limit_test=200"])
+                 "--output", str(out), "--no-progress", "--set", "data.limit_train=256",
+                 "--set", "data.limit_test=100"])
     assert code == 0
     result = json.loads((out / "result.json").read_text())
     assert result["precision"] == "bfloat16"

@@ -36,6 +36,10 @@ HAS_JAVA = shutil.which("java") is not None or bool(os.environ.get("JAVA_HOME"))
 # TorchDistributor's processes: the watcher around torchrun, torchrun, and each rank's script.
 RANK_PROCESSES = ("torch_run_process_wrapper", "torch.distributed.run", "/train.py")
 
+# The tests' JVMs live for seconds and run tiny jobs: C1 alone (no C2 compiles) and the serial
+# collector start Spark with about a third less CPU, which is what a 2-core CI machine lacks.
+QUICK_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+
 pytestmark = pytest.mark.spark
 needs_java = pytest.mark.skipif(not HAS_JAVA, reason="Spark needs a Java 17 runtime (java on PATH or JAVA_HOME)")
 
@@ -45,7 +49,8 @@ def spark():
     """One local[2] session for the module."""
     from dl4py.spark import spark_session
 
-    conf = {"spark.ui.enabled": "false", "spark.executorEnv.PYTHONPATH": str(SRC)}
+    conf = {"spark.ui.enabled": "false", "spark.executorEnv.PYTHONPATH": str(SRC),
+            "spark.driver.extraJavaOptions": QUICK_JVM}
     with spark_session("local[2]", conf=conf) as session:
         session.sparkContext.setLogLevel("ERROR")
         yield session
@@ -65,6 +70,26 @@ def examples(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 5, generator=gen)
     return x, (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
+
+
+# The tables of the DataFrame and local-cluster tests: rank i reads part i (a partition, a file).
+BATCH, PER_PART = 8, 32
+PARTS = [examples(PER_PART, seed=part) for part in range(2)]
+
+
+@pytest.fixture(scope="module")
+def twin():
+    """The network spawned workers train on the in-memory twin of PARTS (2 epochs, averaging
+    every 2 rounds), trained once for the tests that compare a Spark fit with it. Rank i reads
+    part i, so the twin holds the batches interleaved (round r: batch r of each part)."""
+    x = torch.cat([part[0] for part in PARTS])
+    y = torch.cat([part[1] for part in PARTS])
+    order = torch.cat([torch.arange(part * PER_PART + r * BATCH, part * PER_PART + (r + 1) * BATCH)
+                       for r in range(PER_PART // BATCH) for part in range(2)])
+    reference = network()
+    with ParallelWrapper(reference, workers=2, averaging_frequency=2) as wrapper:
+        wrapper.fit(ArrayDataSetIterator(x[order], y[order], batch_size=BATCH, shuffle=False), epochs=2)
+    return reference
 
 
 def assert_same_parameters(a, b, what: str) -> None:
@@ -174,27 +199,18 @@ def test_without_pyspark_the_import_and_the_launcher_name_the_extra(tmp_path, mo
 
 
 @needs_java
-def test_a_dataframe_trains_as_its_in_memory_equivalent(spark):
-    """Two partitions of 4 batches: rank i reads partition i, so the spawned workers' in-memory
-    twin holds the batches interleaved (round r: batch r of each partition)."""
-    batch, per_part = 8, 32
-    x, y = examples(2 * per_part, seed=4)
-    rows = [(row, label) for row, label in zip(x.tolist(), y.tolist())]
+def test_a_dataframe_trains_as_its_in_memory_equivalent(spark, twin):
+    """Two partitions of 4 batches (PARTS): rank i reads partition i, and the fit trains what
+    spawned workers train on the in-memory twin."""
+    rows = [(row, label) for x, y in PARTS for row, label in zip(x.tolist(), y.tolist())]
     df = spark.createDataFrame(spark.sparkContext.parallelize(rows, 2), "features array<double>, label int")
     from dl4py.spark import ParameterAveragingTrainingMaster, SparkDl4jMultiLayer, SparkTrainer
 
-    master = ParameterAveragingTrainingMaster(batch_size_per_worker=batch, averaging_frequency=2, workers=2)
+    master = ParameterAveragingTrainingMaster(batch_size_per_worker=BATCH, averaging_frequency=2, workers=2)
     spark_net = SparkDl4jMultiLayer(spark, network(), master)
     history = spark_net.fit(df, epochs=2, label="label")
     assert history.history["examples"] == [64, 64]
-    trained = spark_net.get_network()
-
-    order = torch.cat([torch.arange(part * per_part + r * batch, part * per_part + (r + 1) * batch)
-                       for r in range(per_part // batch) for part in range(2)])
-    reference = network()
-    ParallelWrapper(reference, workers=2, averaging_frequency=2).fit(
-        ArrayDataSetIterator(x[order], y[order], batch_size=batch, shuffle=False), epochs=2)
-    assert_same_parameters(reference, trained, "DataFrame")
+    assert_same_parameters(twin, spark_net.get_network(), "DataFrame")
 
     with pytest.raises(DataError, match="cast them"):  # a classifier's labels are class indices
         SparkTrainer(network(), 2).fit(df.withColumn("label", df.label.cast("double")), label="label", batch_size=8)
@@ -203,19 +219,17 @@ def test_a_dataframe_trains_as_its_in_memory_equivalent(spark):
 
 
 @needs_java
-def test_local_cluster_ranks_train_exactly_and_a_failing_rank_fails_the_job_with_its_error(tmp_path):
+def test_local_cluster_ranks_train_exactly_and_a_failing_rank_fails_the_job_with_its_error(tmp_path, twin):
     """On local-cluster (ranks in executor processes), in one Spark application: a fit over
-    two Parquet files (rank i reads file i) ends with the parameters of spawned workers on
-    the in-memory twin. Then rank 1's file has a label the network does not have, so rank 1
+    two Parquet files (PARTS: rank i reads file i) ends with the parameters of spawned workers
+    on the in-memory twin. Then rank 1's file has a label the network does not have, so rank 1
     fails on its first batch while rank 0 trains on. The job stops, naming rank 1 and its
     error; the model is as it was, and no process is left behind."""
     import pandas as pd
 
-    batch, per_part = 8, 32
-    parts = [examples(per_part, seed=part) for part in range(2)]
     for name, bad in (("clean", False), ("table", True)):
         (tmp_path / name).mkdir()
-        for part, (x, y) in enumerate(parts):
+        for part, (x, y) in enumerate(PARTS):
             y = y.clone()
             if bad and part == 1:
                 y[5] = 7
@@ -223,21 +237,14 @@ def test_local_cluster_ranks_train_exactly_and_a_failing_rank_fails_the_job_with
             frame.to_parquet(tmp_path / name / f"part-{part}.parquet")
     started = time.time()
     proc = subprocess.run([sys.executable, str(HERE / "spark_failing_rank.py"), str(tmp_path / "clean"),
-                           str(tmp_path / "table"), "local-cluster[2,1,1024]"],
+                           str(tmp_path / "table"), "local-cluster[2,1,1024]", QUICK_JVM],
                           env={**os.environ, "PYTHONPATH": str(SRC)}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     outcome = json.loads(proc.stdout.strip().splitlines()[-1])
 
     trained = outcome["trained"]
     assert trained["examples"] == [64, 64] and (trained["epochs"], trained["iterations"]) == (2, 16)
-    x = torch.cat([p[0] for p in parts])
-    y = torch.cat([p[1] for p in parts])
-    order = torch.cat([torch.arange(part * per_part + r * batch, part * per_part + (r + 1) * batch)
-                       for r in range(per_part // batch) for part in range(2)])
-    reference = network()
-    ParallelWrapper(reference, workers=2, averaging_frequency=2).fit(
-        ArrayDataSetIterator(x[order], y[order], batch_size=batch, shuffle=False), epochs=2)
-    for (name, expected), got in zip(reference.module.named_parameters(), trained["parameters"]):
+    for (name, expected), got in zip(twin.module.named_parameters(), trained["parameters"]):
         difference = (expected.detach().flatten() - torch.tensor(got)).abs().max().item()
         assert difference < 1e-6, f"{name} differs by {difference:.2e}"
 

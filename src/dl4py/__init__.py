@@ -55,13 +55,32 @@ from dl4py.config.recurrent import (
     LastTimeStep,
     RnnOutputLayer,
 )
+from dl4py.config.layers_extra import (
+    Convolution1DLayer,
+    Deconvolution2D,
+    LayerNormalization,
+    SelfAttentionLayer,
+    Subsampling1DLayer,
+    Upsampling2D,
+    ZeroPaddingLayer,
+)
 from dl4py.data.sequences import SequenceDataSetIterator
 from dl4py.errors import BackendError, ConfigError, DataError, DL4PyError, TrainingError
 from dl4py.eval import ROC, Evaluation, RegressionEvaluation, ROCMultiClass
-from dl4py.nn import FineTuneConfiguration, MultiLayerNetwork, TorchModel, TransferLearning, load
+from dl4py.nn import ComputationGraph, FineTuneConfiguration, MultiLayerNetwork, TorchModel, TransferLearning, load
+from dl4py.config.graph import (
+    ComputationGraphConfiguration,
+    ElementWiseVertex,
+    GraphConfig,
+    MergeVertex,
+    PreprocessorVertex,
+    SubsetVertex,
+)
 from dl4py.train import TrainingInterrupted
 
 __all__ = [
+    "ComputationGraph", "ComputationGraphConfiguration", "ElementWiseVertex", "GraphConfig", "MergeVertex",
+    "PreprocessorVertex", "SubsetVertex",
     "ActivationLayer", "Adam", "AdamW", "ArrayDataSetIterator", "BackendError",
     "BatchNormalization", "ConfigError", "ConvolutionLayer", "CsvDataSetIterator", "DataError",
     "DataSet", "DataSetIterator", "DenseLayer", "DeviceDataSetIterator", "DL4PyError", "DropoutLayer", "Environment",
@@ -72,4 +91,6 @@ __all__ = [
     "resolve_backend", "set_backend", "set_default_dtype",
     "EmbeddingLayer", "EmbeddingSequenceLayer", "GRU", "LastTimeStep", "LSTM", "RnnOutputLayer",
     "SequenceDataSetIterator",
+    "Convolution1DLayer", "Deconvolution2D", "LayerNormalization", "SelfAttentionLayer",
+    "Subsampling1DLayer", "Upsampling2D", "ZeroPaddingLayer",
 ]

@@ -2,7 +2,7 @@
 
     dl4py train CONFIG.yaml [--epochs N] [--batch-size N] [--backend auto|cpu|gpu]
                             [--precision P] [--workers N] [--averaging-frequency K]
-                            [--training-mode averaging|shared_gradients]
+                            [--training-mode averaging|shared_gradients] [--accumulate-batches K]
                             [--launcher spawn|torchrun|spark] [--spark-master URL]
                             [--output DIR] [--resume] [--set key=value ...]
                             [--verbose 0|1|2 | --no-progress]
@@ -50,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--workers", type=int, help="training.workers: > 1 trains data-parallel with a ParallelWrapper")
     train.add_argument("--averaging-frequency", type=int, help="training.averaging_frequency (rounds between averages)")
     train.add_argument("--training-mode", help="training.training_mode: averaging or shared_gradients")
+    train.add_argument("--accumulate-batches", type=int,
+                       help="training.accumulate_batches: batches whose summed gradients make one update")
     train.add_argument("--launcher", choices=["spawn", "torchrun", "spark"],
                        help="who starts the workers: spawn (here; the default), torchrun (this process is one "
                             "of torchrun's; the default under it) or spark (Spark tasks; needs dl4py[spark])")
@@ -221,7 +223,7 @@ def _train(args) -> int:
         "training.epochs": args.epochs, "training.batch_size": args.batch_size,
         "training.backend": args.backend, "training.precision": args.precision,
         "training.workers": args.workers, "training.averaging_frequency": args.averaging_frequency,
-        "training.training_mode": args.training_mode,
+        "training.training_mode": args.training_mode, "training.accumulate_batches": args.accumulate_batches,
     }
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + args.overrides
     config = config.with_overrides(overrides)
@@ -338,6 +340,7 @@ def _memory(args) -> int:
 def _evaluate(args) -> int:
     from dl4py.config import RunConfig
     from dl4py.config.run import DataConfig
+    from dl4py.config.graph import example_shape
     from dl4py.nn import load
     from dl4py.runner import MODEL, make_iterators
 
@@ -352,7 +355,7 @@ def _evaluate(args) -> int:
     data = RunConfig.from_file(config_path).data if config_path else DataConfig()
     if args.limit is not None:
         data = DataConfig.from_dict({**data.to_dict(), "limit_test": args.limit}, "--limit")
-    _, test = make_iterators(data, args.batch_size, model.config.input_type.example_shape())
+    _, test = make_iterators(data, args.batch_size, example_shape(model.config))
     if test is None:
         print("dl4py evaluate: error: the config's data section has no test set (data.test_path)", file=sys.stderr)
         return 2
@@ -362,11 +365,12 @@ def _evaluate(args) -> int:
 
 
 def _summary(args) -> int:
-    from dl4py.config import RunConfig
+    from dl4py.config import GraphConfig, RunConfig
+    from dl4py.nn.graph import graph_summary_table
     from dl4py.nn.summary import summary_table
 
     config = RunConfig.from_file(args.config)
-    table, _ = summary_table(config.network)
+    table, _ = (graph_summary_table if isinstance(config.network, GraphConfig) else summary_table)(config.network)
     print(table)
     return 0
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from dl4py.backend.cuda_environment import environment
+from dl4py.config.graph import example_shape
 from dl4py.config.run import DataConfig, RunConfig
 from dl4py.data.from_config import make_iterators, make_validation
 from dl4py.errors import ConfigError, TrainingError
@@ -27,8 +28,7 @@ from dl4py.io import atomic_write_json, atomic_write_text
 from dl4py.launchers import choose_launcher, fit_on_spark
 from dl4py.monitor.environment import environment_record
 from dl4py.monitor.run_logging import RunLogging, class_fields
-from dl4py.nn.network import MultiLayerNetwork
-from dl4py.nn.loading import load
+from dl4py.nn.loading import load, network_model
 from dl4py.resume import check_resume
 from dl4py.run_dir import CHECKPOINT, MODEL, RunRecord, prepare_run_dir, remove_new_run, saved_files
 from dl4py.train.listeners import (
@@ -129,16 +129,17 @@ def _train_run(config: RunConfig, output, resume: bool, config_name: str, progre
 def _train_locked(config: RunConfig, run_dir: Path, resume: bool, progress, record: RunRecord, launch) -> dict:
     environment().update_from_config(config.environment)  # the config names what it sets
     network = config.network
-    model = MultiLayerNetwork(network, backend=config.training.backend, precision=config.training.precision)
+    model = network_model(network, backend=config.training.backend, precision=config.training.precision)
     checkpoint = run_dir / CHECKPOINT
     if resume:
         model = load(checkpoint, backend=config.training.backend, precision=config.training.precision)
         check_resume(config, model, run_dir)
         log.info("resuming %s at epoch %d, iteration %d", run_dir, model.epoch_count, model.iteration_count)
     model.init()
+    model.set_accumulate_batches(config.training.accumulate_batches)  # a setting of the run, not of the file
     auto = config.training.batch_size == "auto"
     train, test = make_iterators(config.data, 1 if auto else config.training.batch_size,
-                                 network.input_type.example_shape())
+                                 example_shape(network))
     if auto:
         config = _resolve_batch_size(config, model, train, run_dir if resume else None)
         for iterator in filter(None, (train, test)):

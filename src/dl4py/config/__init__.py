@@ -13,7 +13,26 @@ from dl4py.config.layers import (
     SubsamplingLayer,
 )
 from dl4py.config.frozen import FrozenLayer
+from dl4py.config.layers_extra import (
+    Convolution1DLayer,
+    Deconvolution2D,
+    LayerNormalization,
+    SelfAttentionLayer,
+    Subsampling1DLayer,
+    Upsampling2D,
+    ZeroPaddingLayer,
+)
 from dl4py.config.network import NetworkConfig
+from dl4py.config.graph import (
+    ComputationGraphConfiguration,
+    ElementWiseVertex,
+    GraphConfig,
+    GraphNode,
+    GraphVertex,
+    MergeVertex,
+    PreprocessorVertex,
+    SubsetVertex,
+)
 from dl4py.config.recurrent import (
     GRU,
     LSTM,
@@ -40,4 +59,8 @@ __all__ = [
     "Schedule", "Sgd", "StepSchedule", "SubsamplingLayer", "TrainingConfig", "Updater",
     "GRU", "LSTM", "EmbeddingLayer", "EmbeddingSequenceLayer", "LastTimeStep", "Recurrent",
     "RnnOutputLayer",
+    "Convolution1DLayer", "Deconvolution2D", "LayerNormalization", "SelfAttentionLayer",
+    "Subsampling1DLayer", "Upsampling2D", "ZeroPaddingLayer",
+    "ComputationGraphConfiguration", "ElementWiseVertex", "GraphConfig", "GraphNode", "GraphVertex",
+    "MergeVertex", "PreprocessorVertex", "SubsetVertex",
 ]

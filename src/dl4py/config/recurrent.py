@@ -21,6 +21,7 @@ from dl4py.config.layers import (
     _check_positive,
     _ParamLayer,
 )
+from dl4py.config.layers_extra import SEQUENCE_LAYERS as _MORE_SEQUENCE_LAYERS
 from dl4py.config.schema import join
 from dl4py.errors import ConfigError
 
@@ -155,6 +156,6 @@ class EmbeddingSequenceLayer(_Embedding):
 
 
 # Layers a sequence may go into; any other after a recurrent layer is an error naming it.
-TAKES_SEQUENCES = (LSTM, GRU, LastTimeStep, RnnOutputLayer, EmbeddingSequenceLayer)
+TAKES_SEQUENCES = (LSTM, GRU, LastTimeStep, RnnOutputLayer, EmbeddingSequenceLayer) + _MORE_SEQUENCE_LAYERS
 # Layers whose modules nn/recurrent.py builds (RnnOutputLayer is a dense layer per step).
 SEQUENCE_MODULES = (LSTM, GRU, LastTimeStep, EmbeddingLayer, EmbeddingSequenceLayer)

@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Literal, Optional
 
 import yaml
 
+from dl4py.config.graph import GraphConfig, network_from_dict
 from dl4py.config.network import NetworkConfig
 from dl4py.config.schema import ConfigBase, TaggedConfig, dataclass_from_dict, join
 from dl4py.config.yaml_loader import ConfigSyntaxError, load_json, load_yaml
@@ -203,6 +204,7 @@ class TrainingConfig(ConfigBase):
     precision: Precision = "float"
     workers: int = 1  # more than 1: data-parallel training by a ParallelWrapper
     score_every: int = 100  # iterations between score reports (0: never)
+    accumulate_batches: int = 1  # batches whose summed gradients make one update (docs/training.md)
     # ParallelWrapper options (training.workers > 1); null = the wrapper's default
     training_mode: Literal["averaging", "shared_gradients"] = "averaging"
     averaging_frequency: Optional[int] = None  # rounds between averages (default 1)
@@ -217,6 +219,9 @@ class TrainingConfig(ConfigBase):
                 raise ConfigError(join(where, name), f"must be positive, got {value}")
         if self.score_every < 0:
             raise ConfigError(join(where, "score_every"), f"must be zero or more, got {self.score_every}")
+        from dl4py.train.accumulate import checked_batches
+
+        checked_batches(self.accumulate_batches, join(where, "accumulate_batches"))
         if self.workers == 1:  # options of the parallel trainer must not be silently ignored
             for name, inert in (("training_mode", "averaging"), ("averaging_frequency", None),
                                 ("report_score_after_averaging", False)):
@@ -303,7 +308,7 @@ class LoggingConfig(ConfigBase):
 
 @dataclass(frozen=True)
 class RunConfig(ConfigBase):
-    network: NetworkConfig
+    network: NetworkConfig | GraphConfig  # a graph when the section has vertices (config/graph.py)
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
@@ -313,6 +318,8 @@ class RunConfig(ConfigBase):
     def from_dict(cls, data: Any, where: str = "") -> "RunConfig":
         if isinstance(data, dict) and "network" not in data:
             raise ConfigError("network", "is required: the layers and input type of the network")
+        if isinstance(data, dict):  # chosen by its keys, so that errors name the one it is
+            data = {**data, "network": network_from_dict(data["network"], join(where, "network"))}
         return dataclass_from_dict(cls, data, where)
 
     @classmethod

@@ -150,7 +150,14 @@ def coerce(value: Any, tp, where: str) -> Any:
     if tp is dict or origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(where, f"must be a mapping, got {value!r}")
-        return dict(value)
+        args = get_args(tp)
+        if not args:
+            return dict(value)
+        key_type, value_type = args  # dict[str, InputType]: every value checked, named by its key
+        for key in value:
+            if not isinstance(key, key_type):
+                raise ConfigError(where, f"keys must be {_type_name(key_type)}, got {key!r}")
+        return {key: coerce(item, value_type, join(where, key)) for key, item in value.items()}
     if isinstance(tp, type) and hasattr(tp, "from_dict"):
         if isinstance(value, tp):
             return value

@@ -51,6 +51,8 @@ def wait_for_copy(batch: DataSet, event: torch.cuda.Event | None, device: torch.
         current.wait_event(event)
         batch.features.record_stream(current)
         batch.labels.record_stream(current)
+        if batch.features_mask is not None:
+            batch.features_mask.record_stream(current)
     return batch
 
 

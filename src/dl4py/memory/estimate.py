@@ -12,21 +12,21 @@ and its limits.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from dl4py.backend.precision import resolve_precision
-from dl4py.config.layers import OutputLayer
-from dl4py.config.recurrent import RnnOutputLayer
-from dl4py.memory.sequence_ops import steps
+from dl4py.config.graph import GraphConfig
 from dl4py.config.network import NetworkConfig
 from dl4py.config.updaters import Updater
 from dl4py.errors import ConfigError
-from dl4py.memory.operations import Op, network_ops
+from dl4py.memory import replay
+from dl4py.memory.graph_ops import graph_step
+from dl4py.memory.operations import Op
+from dl4py.memory.step_graph import StepGraph, chain_graph
 from dl4py.memory.timeline import Timeline
-from dl4py.memory.updater_memory import optimizer_implementation, update_temporaries
+from dl4py.memory.updater_memory import optimizer_implementation
 
 MiB = 2**20
 # Outside PyTorch's allocator, so torch.cuda.memory_allocated never shows it: the CUDA
@@ -123,13 +123,17 @@ def estimate(
     device: str | torch.device = "cuda",
     optimizer: str = "auto",
     data_bytes: int = 0,
+    as_measured: bool = False,
 ) -> MemoryReport:
-    """Memory of one step of ``config`` (a NetworkConfig or RunConfig) at ``batch_size``.
+    """Memory of one step of ``config`` (a NetworkConfig, GraphConfig or RunConfig) at ``batch_size``.
 
     ``precision`` defaults to the run config's, else float; ``updater`` replaces the
     config's; ``device`` ("cuda" or "cpu") decides the fixed costs and how PyTorch
     implements the update (``optimizer``: auto, loop, foreach, fused); ``data_bytes``
-    is a data set kept on the device. Example::
+    is a data set kept on the device. ``as_measured`` replays the step as ``LiveTensorBytes``
+    sees it: under a TorchDispatchMode autograd adds the parts of a gradient that forks out
+    of place (a graph whose result feeds several vertices), where a plain step adds in
+    place (``replay``). Example::
 
         report = estimate(lenet, batch_size=128, precision="bfloat16")
         print(report.total_bytes / 2**20, "MiB")
@@ -141,9 +145,11 @@ def estimate(
     device_type = torch.device(device).type
     updater = updater or network.updater
     implementation = optimizer_implementation(optimizer, updater, device_type, policy.uses_loss_scaling)
-    ops = network_ops(network)
+    kernels = "cpu" if device_type == "cpu" else "cuda"  # whose LSTM/GRU kernels: oneDNN's and ATen's, or cuDNN's
+    graph = graph_step(network, kernels) if isinstance(network, GraphConfig) else chain_graph(network, kernels)
+    ops = graph.ops
     timeline = Timeline(_ALLOCATOR_GRANULE if device_type == "cuda" else 1)
-    sizes = _Sizes(policy, network)
+    sizes = _Sizes(policy, graph)
     n = batch_size
 
     params = sum(op.param_elements for op in ops)
@@ -159,14 +165,14 @@ def estimate(
     input_bytes = timeline.alloc("input", n * sizes.example_bytes + n * sizes.label_bytes, "start")
 
     if training:
-        saved = _forward(ops, n, sizes, timeline)
+        step, saved = replay.forward(graph, n, sizes, timeline)
         activation_bytes = sum(saved.values())
-        _backward(ops, n, sizes, timeline)
-        _update(ops, updater, implementation, policy, sizes, timeline)
+        replay.backward(step, in_place_accumulation=not as_measured)
+        replay.update(ops, updater, implementation, sizes, timeline)
         gradient_bytes = trained * sizes.state
     else:
         activation_bytes, gradient_bytes = 0, 0
-        _inference(ops, n, sizes, timeline)
+        replay.inference(graph, n, sizes, timeline)
         saved = {}
 
     fixed = {}
@@ -184,37 +190,32 @@ def estimate(
 
 
 class _Sizes:
-    """Bytes per element of each kind of tensor under a precision policy."""
+    """Bytes per element of each kind of tensor under a precision policy, and of the batch."""
 
-    def __init__(self, policy, network: NetworkConfig):
+    def __init__(self, policy, graph: StepGraph):
         self.param = _itemsize(policy.param_dtype)
         low = policy.autocast_dtype
         self.activation = _itemsize(low) if low is not None else self.param
         self.autocast = low is not None
         self.state = 4 if policy.master_weights else self.param  # the updater steps these
         self.master = policy.master_weights
-        shape = network.input_type.example_shape()
-        time = steps(network) if None in shape else 1  # a variable-length sequence: at its given length
-        examples = math.prod(d or time for d in shape)
-        self.example_bytes = examples * self.param  # convert_input casts to the parameter dtype
-        output: OutputLayer = network.layers[-1]
-        per_step = steps(network) if isinstance(output, RnnOutputLayer) else 1  # a label per step
-        self.classes = output.n_out * per_step
-        self.label_bytes = (8 if output.loss in ("negativeloglikelihood", "mcxent") else 4 * output.n_out) * per_step
-        self.input_elements = examples
+        self.input_elements = sum(graph.input_elements)
+        self.example_bytes = self.input_elements * self.param  # convert_input casts to the parameter dtype
+        self.classes = max(head.classes for head in graph.losses)
+        self.label_bytes = sum(head.label_bytes for head in graph.losses)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _network(config) -> tuple[NetworkConfig, str | None]:
-    if isinstance(config, NetworkConfig):
+def _network(config) -> tuple[NetworkConfig | GraphConfig, str | None]:
+    if isinstance(config, (NetworkConfig, GraphConfig)):
         return config, None
     network = getattr(config, "network", None)
-    if isinstance(network, NetworkConfig):
+    if isinstance(network, (NetworkConfig, GraphConfig)):
         return network, config.training.precision
-    raise TypeError(f"estimate needs a NetworkConfig or RunConfig, got {type(config).__name__}")
+    raise TypeError(f"estimate needs a NetworkConfig or RunConfig (or a GraphConfig), got {type(config).__name__}")
 
 
 def _largest_tensor_per_example(ops: list[Op], sizes: _Sizes) -> int:
@@ -228,153 +229,30 @@ def _buffer_bytes(ops: list[Op], itemsize: int) -> int:
     return sum(op.param_elements * itemsize + 8 for op in ops if op.name == "batch_norm")
 
 
-def _first_recorded(ops: list[Op]) -> int:
-    """Index of the first op autograd records: the first with parameters that train. Below
-    it (frozen layers at the bottom) nothing needs a gradient, so nothing is saved for
-    backward and backward never reaches there."""
-    return next((j for j, op in enumerate(ops) if op.params and not op.frozen), len(ops))
-
-
-def _forward(ops: list[Op], n: int, sizes: _Sizes, t: Timeline) -> dict[int, int]:
-    """Run the forward pass; return the bytes each layer leaves saved for backward."""
-    saved: dict[int, int] = {}
-    act = sizes.activation
-    recorded = _first_recorded(ops)
-    for j, op in enumerate(ops):
-        phase = f"forward, layer {op.layer} ({op.name})"
-        if j < recorded:  # as in inference: a result lives until the next op has used it
-            t.alloc("activations", n * op.out_elements * act, phase)
-            # Max pooling on a CPU computes its indices with or without a gradient to come.
-            extra = t.alloc("activations", n * op.extra_bytes + op.extra_fixed_bytes, phase)
-            t.free("activations", extra)
-            if j > 0:
-                t.free("activations", n * ops[j - 1].out_elements * act)
-            continue
-        if sizes.autocast and op.autocast:  # 16-bit copies of its parameters, and of a float input
-            for elements, _ in _autocast_copies(ops, j):
-                t.alloc("activations", elements * act, phase)
-            if j == 0:
-                t.alloc("activations", n * sizes.input_elements * act, phase)
-        out = t.alloc("activations", n * op.out_elements * act, phase)
-        t.alloc("activations", n * op.extra_bytes + op.extra_fixed_bytes, phase)
-        saved[op.layer] = saved.get(op.layer, 0) + out * _kept(ops, j) + t.size(n * op.extra_bytes + op.extra_fixed_bytes)
-        if j > 0 and not _kept(ops, j - 1):  # its input is no longer needed by anyone
-            t.free("activations", n * ops[j - 1].out_elements * act)
-    if sizes.autocast:  # leaving autocast frees the parameter copies autograd did not save
-        for j in range(recorded, len(ops)):
-            for elements, kept in _autocast_copies(ops, j):
-                if not kept:
-                    t.free("activations", elements * act)
-    # The loss: scores (kept by the step), a float32 copy of 16-bit scores, log-softmax.
-    loss = n * sizes.classes * (act + (4 if act < 4 else 0) + 4)
-    t.alloc("activations", loss, "forward, loss")
-    saved[ops[-1].layer] = saved.get(ops[-1].layer, 0) + loss
-    return saved
-
-
-def _kept(ops: list[Op], j: int) -> bool:
-    """Whether op j's result is saved for backward (by itself, or by the next op)."""
-    if j == len(ops) - 1:
-        return True  # the scores: the training step holds them
-    return ops[j].saves_result or ops[j + 1].saves_input
-
-
-def _autocast_copies(ops: list[Op], j: int) -> list[tuple[int, bool]]:
-    """Op j's 16-bit parameter copies under autocast: (elements, saved for backward) each.
-
-    Autocast caches the copies until the forward pass ends; then only those autograd saved
-    live on. A convolution saves its weight (one derivative formula for all its inputs); a
-    matrix product saves its weight only when its input needs a gradient, that is when an
-    earlier op has parameters (the first dense layer's does not: its input is the batch).
-    No op saves its bias."""
-    op = ops[j]
-    if not op.autocast:
-        return []
-    weight_saved = op.name == "conv2d" or any(earlier.params and not earlier.frozen for earlier in ops[:j])
-    return [(elements, i == 0 and weight_saved) for i, (elements, _) in enumerate(op.params)]
-
-
-def _backward(ops: list[Op], n: int, sizes: _Sizes, t: Timeline) -> None:
-    act = sizes.activation
-    # Gradients of the loss's float32 tensors, then of the scores.
-    t.alloc("workspace", 2 * n * sizes.classes * 4, "backward, loss")
-    grad_out = t.alloc("workspace", n * sizes.classes * act, "backward, loss")
-    t.free("workspace", 2 * n * sizes.classes * 4)
-    t.free("activations", n * sizes.classes * (act + (4 if act < 4 else 0) + 4) - n * ops[-1].out_elements * act)
-    recorded = _first_recorded(ops)
-    for j in range(len(ops) - 1, recorded - 1, -1):
-        op = ops[j]
-        phase = f"backward, layer {op.layer} ({op.name})"
-        # Neither the batch nor the output of frozen layers below needs a gradient.
-        grad_in = n * ops[j - 1].out_elements * act if j > recorded else 0
-        t.alloc("workspace", grad_in, phase)
-        cast = sizes.autocast and op.autocast and op.params and not op.frozen
-        # The parameters' gradients: under autocast, first in 16 bits (for the cast copy).
-        if cast:
-            for elements, _ in op.params:
-                t.alloc("workspace", elements * act, phase)
-        elif not op.frozen:
-            t.alloc("gradients", op.param_elements * sizes.param, phase)
-        # The node is done: it frees what it saved, and the gradient it consumed.
-        t.free("workspace", grad_out)
-        t.free("activations", n * op.extra_bytes + op.extra_fixed_bytes)
-        if op.saves_result:
-            t.free("activations", n * op.out_elements * act)
-        if j > 0 and op.saves_input and not ops[j - 1].saves_result:
-            t.free("activations", n * ops[j - 1].out_elements * act)
-        if sizes.autocast and op.autocast:
-            for elements, kept in _autocast_copies(ops, j):  # its 16-bit parameter copies
-                if kept:
-                    t.free("activations", elements * act)
-            if j == 0:
-                t.free("activations", n * sizes.input_elements * act)  # and of the float input
-        if cast:  # the cast's backward: each parameter's float32 gradient, one after the other
-            for elements, _ in op.params:
-                t.alloc("gradients", elements * sizes.param, phase)
-                t.free("workspace", elements * act)
-        grad_out = t.size(grad_in)
-    t.free("workspace", grad_out)
-
-
-def _update(ops: list[Op], updater: Updater, implementation: str, policy, sizes: _Sizes, t: Timeline) -> None:
-    tensors = [p for op in ops if not op.frozen for p in op.params]
-    if sizes.master:  # 16-bit gradients become float32 gradients of the masters, one by one
-        for elements, _ in tensors:
-            t.alloc("gradients", elements * 4, "update, gradients to float32 masters")
-            t.free("gradients", elements * sizes.param)
-    scratch = update_temporaries(updater, implementation, tensors, sizes.state)
-    t.alloc("workspace", scratch, f"update ({type(updater).__name__}, {implementation})")
-    t.free("workspace", scratch)
-
-
-def _inference(ops: list[Op], n: int, sizes: _Sizes, t: Timeline) -> None:
-    """No autograd: a result lives until the next operator has used it, and a layer's input
-    until the layer returns (its ``nn.Sequential`` still holds it)."""
-    act = sizes.activation
-    layer_input, previous = 0, None
-    for j, op in enumerate(ops):
-        out = n * op.out_elements * act
-        t.alloc("activations", out, f"inference, layer {op.layer} ({op.name})")
-        if previous is not None:
-            t.free("activations", previous)
-        last_of_layer = j == len(ops) - 1 or ops[j + 1].layer != op.layer
-        if last_of_layer:
-            t.free("activations", layer_input)
-            layer_input, previous = out, None
-        else:
-            previous = out
-
-
-def _layer_rows(network: NetworkConfig, ops: list[Op], saved: dict[int, int], sizes: _Sizes) -> tuple:
+def _layer_rows(network, ops: list[Op], saved: dict[int, int], sizes: _Sizes) -> tuple:
     rows = []
-    for shapes in network.layer_shapes():
-        count = sum(op.param_elements for op in ops if op.layer == shapes.index)
+    for index, type_name, output in _parts(network):
+        count = sum(op.param_elements for op in ops if op.layer == index)
         rows.append(LayerMemory(
-            index=shapes.index, type_name=shapes.layer.type_name, output_shape=str(shapes.output),
+            index=index, type_name=type_name, output_shape=str(output),
             parameters=count, parameter_bytes=count * sizes.param + (4 * count if sizes.master else 0),
-            activation_bytes=saved.get(shapes.index, 0),
+            activation_bytes=saved.get(index, 0),
         ))
     return tuple(rows)
+
+
+def _parts(network) -> list[tuple[int, str, object]]:
+    """(index, what it is, output shape) of each layer, or of each vertex of a graph."""
+    if isinstance(network, NetworkConfig):
+        return [(shapes.index, shapes.layer.type_name, shapes.output) for shapes in network.layer_shapes()]
+    parts = []
+    for vertex in network.vertex_shapes():
+        node = vertex.node
+        kind = node.layer.type_name if node.layer is not None else node.vertex.type_name
+        if node.vertex is not None and kind == "elementwise":
+            kind = f"elementwise {node.vertex.op}"
+        parts.append((vertex.index, f"{vertex.name}: {kind}", vertex.output))
+    return parts
 
 
 def _cublas_workspace() -> int:

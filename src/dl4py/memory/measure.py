@@ -74,11 +74,14 @@ class MeasuredStep:
     resident_bytes: int  # alive before the step: parameters, optimizer state, batch, gradients
 
 
-def measure_training_step(model, features: torch.Tensor, labels: torch.Tensor, warmup: int = 1) -> MeasuredStep:
+def measure_training_step(model, features: torch.Tensor, labels: torch.Tensor, warmup: int = 1,
+                          mask: torch.Tensor | None = None) -> MeasuredStep:
     """Peak live tensor bytes of one training step of an initialised dl4py model.
 
     ``warmup`` steps run first, so the updater's state exists as it does in steady
-    training (its first step creates it); two examples are enough for that.
+    training (its first step creates it); two examples are enough for that. ``mask``
+    (``[batch, time]``) is a padded sequence batch's, as SequenceDataSetIterator gives it;
+    it counts with the batch.
     """
     from dl4py.train.step import make_train_step
 
@@ -86,15 +89,25 @@ def measure_training_step(model, features: torch.Tensor, labels: torch.Tensor, w
     step = make_train_step(model)
     features = model.precision.convert_input(features.to(model.device))
     labels = labels.to(model.device)
+    if mask is not None:
+        mask = mask.to(model.device)
     for _ in range(warmup):
+        if mask is not None:
+            model.set_mask(mask[:2])
         step(features[:2], labels[:2])
+    if mask is not None:
+        model.set_mask(mask)
     tracker = LiveTensorBytes()
-    resident = resident_tensors(model) + [features, labels]
+    resident = resident_tensors(model) + [features, labels] + ([] if mask is None else [mask])
     tracker.track(resident)
     resident_bytes = tracker.current
     del resident
-    with tracker:
-        step(features, labels)
+    try:
+        with tracker:
+            step(features, labels)
+    finally:
+        if mask is not None:
+            model.set_mask(None)
     return MeasuredStep(tracker.peak, tracker.peak_op, resident_bytes)
 
 

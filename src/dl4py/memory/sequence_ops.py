@@ -2,13 +2,27 @@
 
 Per example, a sequence of ``time`` steps (the input type's ``length``: an estimate needs
 one; a variable-length input is estimated at the length it is given) costs ``time`` times a
-step. What an LSTM or GRU keeps for backward, and its backward kernels' temporaries, are
-counted per step as measured on a CPU with ``LiveTensorBytes`` (PyTorch's oneDNN LSTM kernel,
-its step-by-step GRU): 15h float32 values for an LSTM, 8h for a GRU. With that, the peak of a
-training step of one- and two-layer LSTM networks is estimated within 1-3% on a CPU, of a
-one-layer GRU within 1%, of two GRU layers about 10% high. cuDNN keeps a different
-reserve on a GPU: not yet measured. Parameters follow ``nn.LSTM``/``nn.GRU`` (two bias
-vectors).
+step. Each LSTM/GRU layer is one single-layer ``nn.LSTM``/``nn.GRU`` (batch first, two bias
+vectors); its result is multiplied by the batch's mask (SequenceDataSetIterator always gives
+one), a second result.
+
+On a CPU (``device="cpu"``), as PyTorch runs them and ``LiveTensorBytes`` sees them:
+
+- LSTM: oneDNN's kernel (``mkldnn_rnn_layer``). It reads a time-major contiguous copy of the
+  input (``[time, batch, size]``, saved for backward) and saves its output, zero initial
+  states, final states and a workspace. The workspace is oneDNN's (``rnn_utils``): gates
+  ``time*4h``, ``time*h`` for h_t, states of the input's and the output's width
+  ``2(time+1)*max(size, h)``, cell states ``2(time+1)*h``, and for training the diff states
+  (two of ``2(time+1)*max(size, h)``, one of ``2(time+1)*h``), float32 per example, rows padded
+  to 16 floats, each part starting on a 4096-byte page. Wide inputs cost more because the
+  states are as wide as the input.
+- GRU: ATen's step-by-step cells. The time-major copy of the input (saved by the input
+  projection), the projection ``time*3h`` for all steps (alive in the layer only), and per
+  step the hidden projection (3h: the gates, updated in place), and four h-sized results
+  (``r*n``'s copy, ``n``, ``h - n``, the new ``h``), all saved for backward.
+
+With cuDNN (``device="cuda"``) the reserve is not yet measured: the rule there is the older
+per-step count (15h float32 values for an LSTM, 8h for a GRU, no input copy).
 """
 
 from __future__ import annotations
@@ -37,24 +51,27 @@ def elements(shape: Shape, config) -> int:
     return shape.size
 
 
-def sequence_ops(layer, index: int, shapes, config, l2: float, op_type) -> list:
-    """The Ops of one recurrent or embedding layer (``op_type`` is operations.Op)."""
+def sequence_ops(layer, index: int, shapes, config, l2: float, op_type, device: str = "cuda") -> list:
+    """The Ops of one recurrent or embedding layer (``op_type`` is operations.Op) on ``device``."""
     n_in, n_out = elements(shapes.input, config), elements(shapes.output, config)
     if isinstance(layer, LastTimeStep):
         inner = sequence_ops(layer.layer, index, _Shapes(shapes.input, layer.layer.output_shape(shapes.input, "")),
-                             config, l2, op_type)
+                             config, l2, op_type, device)
         return inner + [op_type(index, "last_time_step", n_out, False, False)]
     if isinstance(layer, (LSTM, GRU)):
         gates = 4 if isinstance(layer, LSTM) else 3
         h, size = layer.n_out, shapes.input.dims[1]
         time = n_out // h
         params = ((gates * h * size, l2), (gates * h * h, l2), (gates * h, 0.0), (gates * h, 0.0))
-        # Saved per step for backward and the backward kernels' temporaries, float32, as
-        # measured on a CPU (LiveTensorBytes): 15h for an LSTM, 8h for a GRU.
+        # The result times the batch's mask (kept by the multiply): a second output.
+        mask = op_type(index, "mask", n_out, False, False, time_major=device == "cpu")
+        if device == "cpu":
+            rnn = _cpu_lstm if isinstance(layer, LSTM) else _cpu_gru
+            return rnn(op_type, index, time, size, h, params) + [mask]
+        # cuDNN: saved per step for backward and the backward kernels' temporaries, float32:
+        # 15h for an LSTM, 8h for a GRU (measured on a CPU before its kernels were modelled).
         saved = 4.0 * time * (15 if isinstance(layer, LSTM) else 8) * h
-        # Its result, then the result times the mask (kept by the multiply): two outputs.
-        return [op_type(index, layer.type_name, n_out, True, True, extra_bytes=saved, params=params),
-                op_type(index, "mask", n_out, False, False)]
+        return [op_type(index, layer.type_name, n_out, True, True, extra_bytes=saved, params=params), mask]
     if isinstance(layer, (EmbeddingLayer, EmbeddingSequenceLayer)):
         indices = 8.0 * (n_in)  # the int64 indices, kept for the weight's gradient
         ops = [op_type(index, "embedding", n_out, False, False, extra_bytes=indices,
@@ -67,6 +84,52 @@ def sequence_ops(layer, index: int, shapes, config, l2: float, op_type) -> list:
         params = ((size * layer.n_out, l2),) + (((layer.n_out, 0.0),) if layer.has_bias else ())
         return [op_type(index, "linear", n_out, True, False, params=params, autocast=True)]
     raise TypeError(f"the memory estimator has no rule for layer type {type(layer).__name__}")
+
+
+def _time_major_copy(op_type, index: int, time: int, size: int):
+    """``input.transpose(0, 1).contiguous()``: a copy (a view where the input is an LSTM's or
+    GRU's result, time-major already); its backward hands the gradient on."""
+    return op_type(index, "time_major_copy", time * size, False, False, input_gradient="same")
+
+
+def _good_ld(width: int) -> int:
+    """oneDNN's row length for float32 (``get_good_ld``): a multiple of 16, never of 256."""
+    ld = -(-width // 16) * 16
+    return ld + 16 if ld % 256 == 0 else ld
+
+
+def _cpu_lstm(op_type, index: int, time: int, size: int, h: int, params) -> list:
+    """oneDNN's LSTM (PyTorch's ``mkldnn_rnn_layer``) in training: what it saves, in float32
+    values per example; its workspace parts are each page aligned (``set_offsets``)."""
+    states = _good_ld(max(size, h))  # the states' rows hold the input's or the output's width
+    workspace = (time * _good_ld(4 * h),  # gates
+                 time * _good_ld(h),  # h_t
+                 2 * (time + 1) * states,  # states (layer input and output)
+                 2 * (time + 1) * h,  # cell states
+                 2 * (time + 1) * states,  # diff states, of the layer
+                 2 * (time + 1) * states,  # ... of the iteration
+                 2 * (time + 1) * h)  # ... of the cell
+    return [_time_major_copy(op_type, index, time, size),
+            # It also keeps the zero initial h and c, and the final h and c.
+            op_type(index, "mkldnn_lstm", time * h, True, True, extra_bytes=4.0 * 4 * h, params=params,
+                    aligned_bytes=tuple(4.0 * w for w in workspace), aligned_to=4096,
+                    backward_scratch_elements=2 * h,  # the gradients of the initial h and c
+                    fused_backward=True, time_major=True)]
+
+
+def _cpu_gru(op_type, index: int, time: int, size: int, h: int, params) -> list:
+    """ATen's GRU on a CPU (``_rnn_impl`` over ``GRUCell``s): the input's projection for every
+    step at once, then one cell per step."""
+    weights_ih, weights_hh, bias_ih, bias_hh = params
+    return [_time_major_copy(op_type, index, time, size),
+            # x @ W_ih^T, then + b_ih: a new tensor; the product is gone after the addition.
+            op_type(index, "gru_input_projection", time * 3 * h, True, False, params=(weights_ih, bias_ih)),
+            # Per step: the gates (3h, updated in place) and four h-sized results; the zero
+            # initial h. All saved for backward, and freed step by step in backward, which
+            # stacks the projection's gradient while each step's part (3h) is alive.
+            op_type(index, "gru_cells", time * h, False, False, extra_bytes=4.0 * (7 * h * time + h),
+                    params=(weights_hh, bias_hh), backward_scratch_elements=3 * h * time,
+                    stepwise_backward=True, time_major=True)]
 
 
 class _Shapes:

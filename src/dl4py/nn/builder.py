@@ -29,7 +29,9 @@ from dl4py.config.layers import (
     SubsamplingLayer,
 )
 from dl4py.config.frozen import is_frozen, unfrozen
+from dl4py.config.layers_extra import EXTRA_LAYERS
 from dl4py.config.network import NetworkConfig
+from dl4py.nn.layers_extra import extra_parts
 
 ACTIVATIONS = {
     "identity": nn.Identity,
@@ -87,8 +89,7 @@ class FrozenSequential(nn.Sequential):
 def build_module(config: NetworkConfig, generator: torch.Generator, masks=None) -> nn.Sequential:
     """All layers as ``nn.Sequential(layer0, layer1, ...)``, initialised from ``generator``.
     ``masks``: the ``SequenceMask`` the model sets per batch, for layers that read it."""
-    from dl4py.config.recurrent import SEQUENCE_MODULES
-    from dl4py.nn.recurrent import SequenceMask, recurrent_parts
+    from dl4py.nn.recurrent import SequenceMask
 
     masks = SequenceMask() if masks is None else masks
     modules = []
@@ -98,24 +99,35 @@ def build_module(config: NetworkConfig, generator: torch.Generator, masks=None) 
     elif len(data_shape.dims) == 2:
         data_shape = Shape("rnn", data_shape.dims)
     for shapes in config.layer_shapes():
-        # Stable names (``4.op.weight``) whether or not a preprocessor is inserted.
-        parts = OrderedDict()
-        if data_shape.kind == "ff" and shapes.input.kind == "cnn":
-            parts["preprocess"] = Reshape(shapes.input.dims)
-        elif data_shape.kind == "cnn" and shapes.input.kind == "ff":
-            parts["preprocess"] = nn.Flatten(1)
-        layer = unfrozen(shapes.layer)
-        if isinstance(layer, SEQUENCE_MODULES):
-            where = f"network.layers[{shapes.index}]"
-            op, activation = recurrent_parts(layer, shapes.input, config, generator, masks, where, _init_weight)
-        else:
-            op, activation = _layer_parts(layer, shapes.input, config, generator)
-        parts["op"] = op
-        if activation is not None:
-            parts["activation"] = activation
-        modules.append(FrozenSequential(parts) if is_frozen(shapes.layer) else nn.Sequential(parts))
+        where = f"network.layers[{shapes.index}]"
+        modules.append(layer_module(shapes.layer, data_shape, shapes.input, config, generator, masks, where))
         data_shape = shapes.output
     return nn.Sequential(*modules)
+
+
+def layer_module(layer_config: Layer, received: Shape, shape: Shape, config, generator: torch.Generator,
+                 masks, where: str) -> nn.Sequential:
+    """One configured layer as ``nn.Sequential(preprocess?, op, activation?)``: ``received``
+    is what the layer is given, ``shape`` what it takes (a flattened or reshaped view of it).
+    ``config`` gives the defaults (a NetworkConfig or a GraphConfig)."""
+    from dl4py.config.recurrent import SEQUENCE_MODULES
+    from dl4py.nn.recurrent import recurrent_parts
+
+    # Stable names (``4.op.weight``) whether or not a preprocessor is inserted.
+    parts = OrderedDict()
+    if received.kind == "ff" and shape.kind == "cnn":
+        parts["preprocess"] = Reshape(shape.dims)
+    elif received.kind == "cnn" and shape.kind == "ff":
+        parts["preprocess"] = nn.Flatten(1)
+    layer = unfrozen(layer_config)
+    if isinstance(layer, SEQUENCE_MODULES):
+        op, activation = recurrent_parts(layer, shape, config, generator, masks, where, _init_weight)
+    else:
+        op, activation = _layer_parts(layer, shape, config, generator, masks, where)
+    parts["op"] = op
+    if activation is not None:
+        parts["activation"] = activation
+    return FrozenSequential(parts) if is_frozen(layer_config) else nn.Sequential(parts)
 
 
 def _activation(layer: Layer, config: NetworkConfig) -> nn.Module:
@@ -123,8 +135,13 @@ def _activation(layer: Layer, config: NetworkConfig) -> nn.Module:
     return ACTIVATIONS[name]()
 
 
-def _layer_parts(layer: Layer, shape: Shape, config: NetworkConfig, gen) -> tuple[nn.Module, nn.Module | None]:
-    """The layer's operation and its activation (None where it has none)."""
+def _layer_parts(
+    layer: Layer, shape: Shape, config: NetworkConfig, gen, masks=None, where: str = "layer"
+) -> tuple[nn.Module, nn.Module | None]:
+    """The layer's operation and its activation (None where it has none). ``masks``: the
+    model's SequenceMask, for the layers that read it; ``where`` names the layer in errors."""
+    if isinstance(layer, EXTRA_LAYERS):
+        return extra_parts(layer, shape, config, gen, masks, where, _init_weight)
     if isinstance(layer, DenseLayer):  # OutputLayer included
         n_in = shape.dims[-1] if shape.kind == "rnn" else shape.size  # RnnOutputLayer: per step
         linear = nn.Linear(n_in, layer.n_out, bias=layer.has_bias)

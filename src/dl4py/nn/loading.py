@@ -9,20 +9,22 @@ from __future__ import annotations
 
 from dl4py.errors import DataError
 from dl4py.nn.model_file import read_model_file
+from dl4py.nn.graph import ComputationGraph
 from dl4py.nn.network import MultiLayerNetwork
 from dl4py.nn.serialization import restore_saved
 
 
 def load(path, into=None, backend=None, precision=None):
-    """Restore a saved model (a path, or the bytes of a model file). A MultiLayerNetwork is
-    rebuilt from its config; a TorchModel's weights are loaded ``into`` a TorchModel you
+    """Restore a saved model (a path, or the bytes of a model file). A MultiLayerNetwork or
+    ComputationGraph is rebuilt from its config; a TorchModel's weights are loaded ``into`` a TorchModel you
     construct with the same module class."""
     saved = read_model_file(path)
     meta = saved.meta
-    if meta["kind"] == "multilayer":
+    if meta["kind"] in ("multilayer", "graph"):
+        network = MultiLayerNetwork if meta["kind"] == "multilayer" else ComputationGraph
         if into is not None:
-            raise ValueError(f"{saved.path} holds a MultiLayerNetwork; it is rebuilt from its config, drop into=")
-        model = MultiLayerNetwork(saved.config, backend=backend, precision=precision or meta["precision"])
+            raise ValueError(f"{saved.path} holds a {network.__name__}; it is rebuilt from its config, drop into=")
+        model = network(saved.config, backend=backend, precision=precision or meta["precision"])
     else:
         if into is None:
             raise DataError(
@@ -33,3 +35,13 @@ def load(path, into=None, backend=None, precision=None):
     model.init()
     restore_saved(model, saved)
     return model
+
+
+def network_model(network, backend=None, precision=None):
+    """The model a config describes: a MultiLayerNetwork for a NetworkConfig, a
+    ComputationGraph for a GraphConfig (a run config's network may be either)."""
+    from dl4py.config.graph import GraphConfig
+
+    if isinstance(network, GraphConfig):
+        return ComputationGraph(network, backend=backend, precision=precision)
+    return MultiLayerNetwork(network, backend=backend, precision=precision)

@@ -22,8 +22,17 @@ class MasterWeights:
         self._high = list(master_module.parameters())
 
     def grads_to_master(self) -> None:
+        """Move the 16-bit gradients of a backward into the float32 masters, adding them to
+        what the masters hold: an accumulation window (``train/accumulate.py``) sums its
+        batches in float32, not in 16 bits. The step clears the masters' gradients when an
+        update's window begins, so one backward per update copies them."""
         for low, high in zip(self._low, self._high):
-            high.grad = None if low.grad is None else low.grad.to(torch.float32)
+            if low.grad is None:
+                continue
+            if high.grad is None:
+                high.grad = low.grad.to(torch.float32)
+            else:
+                high.grad.add_(low.grad)  # promoted to float32 as it is added
             low.grad = None
 
     @torch.no_grad()

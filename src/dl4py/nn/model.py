@@ -30,6 +30,8 @@ class Model:
     # The fitted Normalizer applied to raw features on the device (set_normalizer); saved in
     # the model file. A class default, so models unpickled from before it existed have one.
     normalizer = None
+    # Batches whose gradients make one update (set_accumulate_batches); a class default too.
+    accumulate_batches = 1
 
     def __init__(self, backend: str | Backend | None = None, precision: str | Precision | None = None):
         self._requested_backend = backend
@@ -182,7 +184,8 @@ class Model:
     # ---- training ----------------------------------------------------------------------
     def fit(self, data, epochs: int = 1, listeners: Iterable = (), batch_size: int | None = None, *,
             validation=None, validation_split: float | None = None, metrics=None,
-            shuffle: bool | None = None, label=None, features=None, verbose="auto") -> "History":
+            shuffle: bool | None = None, label=None, features=None, verbose="auto",
+            accumulate_batches: int | None = None) -> "History":
         """Train for ``epochs`` more epochs on a DataSetIterator (or a DataSet / (x, y) pair).
 
         ``validation`` (the same kinds of data) or ``validation_split`` (a fraction of the
@@ -192,10 +195,15 @@ class Model:
         stops after the current step, leaves the model consistent and raises
         ``TrainingInterrupted``. ``verbose`` (Keras'): 0 silent, 1 a progress bar, 2 a line
         per epoch, "auto" a bar on a terminal or in a notebook, else lines (``train/progress.py``).
+        ``accumulate_batches`` (k): sum the gradients of k batches into each update, as
+        ``set_accumulate_batches`` does (it stays set for later fits; None keeps the setting).
         """
         from dl4py.train.loop import fit
         from dl4py.train.progress import batches_of, console_listeners
         from dl4py.train.validation import split_validation
+
+        if accumulate_batches is not None:  # before anything else: a wrong value fails first
+            self.set_accumulate_batches(accumulate_batches)
 
         # Arrays, DataFrames and Datasets are batched by dl4py (32 by default) and shuffled each
         # epoch by the model's seed; label=/features= name columns (docs/data.md).
@@ -230,6 +238,19 @@ class Model:
         if loss is not None:
             self._last_score = loss
         return loss
+
+    def set_accumulate_batches(self, batches: int) -> "Model":
+        """Make each update from the summed gradients of ``batches`` consecutive batches, as
+        one step on their union would (``training.accumulate_batches``; docs/training.md).
+        1 (the default) updates after every batch. Returns the model."""
+        from dl4py.train.accumulate import checked_batches, finish
+
+        batches = checked_batches(batches, "accumulate_batches")
+        if batches != self.accumulate_batches:
+            finish(self)  # an open window is applied, not lost
+            self.accumulate_batches = batches
+            self._train_step = None  # rebuilt for the new setting
+        return self
 
     def share_gradients(self, hook) -> None:
         """Run ``hook(took_part)`` between backward and update in every step from now on (a

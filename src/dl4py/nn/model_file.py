@@ -25,7 +25,7 @@ from dl4py.errors import BackendError, ConfigError, DataError, ModelFileError
 
 FORMAT = "dl4py-model"
 FORMAT_VERSION = 1
-KINDS = ("multilayer", "torch_module")
+KINDS = ("multilayer", "graph", "torch_module")
 JSON_LIMIT = 16 * 2**20  # far above any real meta/config/updater JSON; far below a bomb
 _JSON_ENTRIES = ("meta.json", "config.json", "updater.json", "normalizer.json")
 _TENSOR_ENTRIES = ("weights.safetensors", "master.safetensors", "updater.safetensors", "normalizer.safetensors",
@@ -44,7 +44,7 @@ class ModelFile:
 
     path: str  # for messages: the file's path, or "<model bytes>"
     meta: dict[str, Any]
-    config: Any  # a NetworkConfig for a MultiLayerNetwork, None for a TorchModel
+    config: Any  # a NetworkConfig (MultiLayerNetwork) or GraphConfig (ComputationGraph); None for a TorchModel
     weights: dict[str, torch.Tensor]
     masters: dict[str, torch.Tensor] | None
     updater: dict | None
@@ -62,8 +62,8 @@ def read_model_file(source) -> ModelFile:
 
     meta = _check_meta(_json(entries, "meta.json", fail), label, fail)
     config = None
-    if meta["kind"] == "multilayer":
-        config = _network_config(_json(entries, "config.json", fail), fail)
+    if meta["kind"] in ("multilayer", "graph"):
+        config = _network_config(_json(entries, "config.json", fail), fail, meta["kind"])
     weights = _tensors(entries, "weights.safetensors", fail)
     masters = _tensors(entries, "master.safetensors", fail) if "master.safetensors" in entries else None
     updater = None
@@ -178,11 +178,12 @@ def _check_precision(name: Any, fail) -> None:
         raise unknown from None
 
 
-def _network_config(data: Any, fail):
+def _network_config(data: Any, fail, kind: str = "multilayer"):
+    from dl4py.config.graph import GraphConfig
     from dl4py.config.network import NetworkConfig
 
     try:
-        return NetworkConfig.from_dict(data)
+        return (GraphConfig if kind == "graph" else NetworkConfig).from_dict(data)
     except (ConfigError, TypeError, ValueError) as exc:  # untrusted data: constructors may object too
         raise fail(f"config.json: {exc}") from None
 

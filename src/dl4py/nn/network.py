@@ -70,54 +70,70 @@ class MultiLayerNetwork(Model):
         self._masks.current = mask
 
     def check_features(self, features: torch.Tensor, where: str) -> None:
-        expected = self.config.input_type.example_shape()  # None: a sequence of any length
-        got = tuple(features.shape[1:])
-        if len(got) != len(expected) or any(e is not None and g != e for g, e in zip(got, expected)):
-            shown = ", ".join("time" if e is None else str(e) for e in expected)
-            raise DataError(
-                f"{where}: features have shape {list(features.shape)} but the network's input type "
-                f"{self.config.input_type.type_name} expects [n, {shown}]"
-            )
+        check_features_for(self.config.input_type, features, where)
 
     def check_labels(self, labels: torch.Tensor, where: str) -> None:
-        if isinstance(self.config.layers[-1], RnnOutputLayer):  # per step: [n, time] or [n, time, k]
-            if labels.dim() == 3 and labels.shape[2] == self.n_out:
-                return
-            if labels.dim() != 2:
-                raise DataError(
-                    f"{where}: labels have shape {list(labels.shape)} but rnn_output needs one label per "
-                    f"step: [n, time] class indices or [n, time, {self.n_out}] targets"
-                )
-            labels = labels.reshape(-1)
-        if labels.dim() == 1:
-            if labels.is_floating_point():
-                raise DataError(f"{where}: 1-D labels must be integer class indices, got {labels.dtype}")
-            if labels.numel():
-                low, high = int(labels.min()), int(labels.max())
-                if low < 0 or high >= self.n_out:
-                    bad = low if low < 0 else high
-                    raise DataError(
-                        f"{where}: label {bad} is outside the output layer's {self.n_out} classes "
-                        f"[0, {self.n_out})"
-                    )
-        elif labels.dim() != 2 or labels.shape[1] != self.n_out:
-            raise DataError(
-                f"{where}: labels have shape {list(labels.shape)} but the output layer has "
-                f"{self.n_out} outputs: give [n] class indices or [n, {self.n_out}] targets"
-            )
+        check_labels_for(self.config.layers[-1], labels, where)
 
     def check_data(self, iterator) -> None:
-        found = iterator.max_label() if hasattr(iterator, "max_label") else None
-        if found is not None and found[0] >= self.n_out:
-            value, index = found
-            where = iterator.locate(index) if hasattr(iterator, "locate") else f"example {index}"
-            raise DataError(
-                f"{where}: label {value} is outside the output layer's {self.n_out} classes "
-                f"(network.layers[{len(self.config.layers) - 1}].n_out={self.n_out}): labels must be in [0, {self.n_out})"
-            )
+        check_data_for(iterator, self.n_out, f"network.layers[{len(self.config.layers) - 1}].n_out")
 
     def summary(self) -> str:
         """Per layer: type, input and output shapes, parameter count; then the total."""
         self.init()
         table, _ = summary_table(self.config, self.module)
         return f"{table}  (precision {self.precision}, backend {self.backend})"
+
+
+def check_features_for(input_type, features: torch.Tensor, where: str) -> None:
+    """DataError when ``features`` do not have the shape ``input_type`` describes."""
+    expected = input_type.example_shape()  # None: a sequence of any length
+    got = tuple(features.shape[1:])
+    if len(got) != len(expected) or any(e is not None and g != e for g, e in zip(got, expected)):
+        shown = ", ".join("time" if e is None else str(e) for e in expected)
+        raise DataError(
+            f"{where}: features have shape {list(features.shape)} but the network's input type "
+            f"{input_type.type_name} expects [n, {shown}]"
+        )
+
+
+def check_labels_for(output, labels: torch.Tensor, where: str) -> None:
+    """DataError when ``labels`` do not fit the output layer ``output``."""
+    n_out = output.n_out
+    if isinstance(output, RnnOutputLayer):  # per step: [n, time] or [n, time, k]
+        if labels.dim() == 3 and labels.shape[2] == n_out:
+            return
+        if labels.dim() != 2:
+            raise DataError(
+                f"{where}: labels have shape {list(labels.shape)} but rnn_output needs one label per "
+                f"step: [n, time] class indices or [n, time, {n_out}] targets"
+            )
+        labels = labels.reshape(-1)
+    if labels.dim() == 1:
+        if labels.is_floating_point():
+            raise DataError(f"{where}: 1-D labels must be integer class indices, got {labels.dtype}")
+        if labels.numel():
+            low, high = int(labels.min()), int(labels.max())
+            if low < 0 or high >= n_out:
+                bad = low if low < 0 else high
+                raise DataError(
+                    f"{where}: label {bad} is outside the output layer's {n_out} classes [0, {n_out})"
+                )
+    elif labels.dim() != 2 or labels.shape[1] != n_out:
+        raise DataError(
+            f"{where}: labels have shape {list(labels.shape)} but the output layer has "
+            f"{n_out} outputs: give [n] class indices or [n, {n_out}] targets"
+        )
+
+
+def check_data_for(iterator, n_out: int, key: str) -> None:
+    """DataError naming the example when any label the iterator found is not below ``n_out``
+    (``key``: the config key of the output layer's n_out)."""
+    found = iterator.max_label() if hasattr(iterator, "max_label") else None
+    if found is not None and found[0] >= n_out:
+        value, index = found
+        where = iterator.locate(index) if hasattr(iterator, "locate") else f"example {index}"
+        raise DataError(
+            f"{where}: label {value} is outside the output layer's {n_out} classes "
+            f"({key}={n_out}): labels must be in [0, {n_out})"
+        )

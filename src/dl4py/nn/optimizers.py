@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from dl4py.config.layers import BatchNormalization
+from dl4py.config.layers_extra import LayerNormalization
 from dl4py.config.network import NetworkConfig
 from dl4py.config.updaters import Adam, AdamW, Nesterovs, RmsProp, Sgd, Updater
 from dl4py.errors import BackendError
@@ -25,7 +26,7 @@ _KERNEL_FLAGS = {"loop": {"foreach": False}, "foreach": {"foreach": True}, "fuse
 
 
 def param_groups(config: NetworkConfig, module: nn.Sequential) -> list[dict]:
-    """One group per distinct L2 value. Biases and batch-norm parameters get no L2 (DL4J's
+    """One group per distinct L2 value. Biases and batch- and layer-norm parameters get no L2 (DL4J's
     default); a FrozenLayer's parameters are in no group, so the updater keeps no state for them."""
     groups: dict[float, list[torch.nn.Parameter]] = {}
     decayed = isinstance(config.updater, AdamW)
@@ -38,7 +39,8 @@ def param_groups(config: NetworkConfig, module: nn.Sequential) -> list[dict]:
             if not param.requires_grad:  # a FrozenLayer's: no updater state, no L2
                 continue
             # "weight", and a recurrent layer's "weight_ih_l0" / "weight_hh_l0"; never a bias.
-            is_weight = name.rsplit(".", 1)[-1].startswith("weight") and not isinstance(layer, BatchNormalization)
+            is_weight = (name.rsplit(".", 1)[-1].startswith("weight")
+                         and not isinstance(layer, (BatchNormalization, LayerNormalization)))
             groups.setdefault(l2 if is_weight else 0.0, []).append(param)
     return [{"params": params, "weight_decay": l2} for l2, params in groups.items()]
 

@@ -1,7 +1,7 @@
 """Save and load models: one zip file, no pickles (DL4J's ModelSerializer).
 
 Entries: ``meta.json`` (format, kind, counters, precision, versions), ``config.json``
-(MultiLayerNetwork only: the network is rebuilt by its constructor), ``weights.safetensors``
+(MultiLayerNetwork and ComputationGraph: the network is rebuilt by its constructor), ``weights.safetensors``
 (parameters and buffers, in the model's precision), ``master.safetensors`` (the float32
 master weights of ``half``/``bfloat16`` models), and when asked ``updater.json`` +
 ``updater.safetensors`` (the optimizer's state; the loss scaler's state is in meta.json), and
@@ -60,7 +60,7 @@ def model_bytes(model, save_updater: bool = True) -> bytes:
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_STORED) as zf:
         zf.writestr("meta.json", json.dumps(meta, indent=2))
-        if model.kind == "multilayer":
+        if model.kind in ("multilayer", "graph"):
             zf.writestr("config.json", model.config.to_json())
         zf.writestr("weights.safetensors", st_save(_cpu_tensors(model.module.state_dict())))
         if model.master is not None:

@@ -210,3 +210,13 @@ def _copy_kept(source, target, kept: list[int]) -> None:
                     target.module[i].get_buffer(name).copy_(buffer)
     if target.master is not None:
         target.master.master_to_module()
+
+
+def _graph_builder(graph):
+    from dl4py.nn.graph_transfer import GraphTransferLearning
+
+    return GraphTransferLearning(graph)
+
+
+# DL4J's TransferLearning.GraphBuilder(graph): the same on a ComputationGraph, by vertex name.
+TransferLearning.GraphBuilder = staticmethod(_graph_builder)

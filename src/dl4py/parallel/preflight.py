@@ -10,14 +10,8 @@ import pickle
 
 import torch
 
-from dl4py.errors import ConfigError, DataError
-from dl4py.parallel.sources import (
-    MASKS_NOT_CARRIED,
-    ShardedSource,
-    StreamShardSource,
-    batches_per_epoch,
-    is_shardable,
-)
+from dl4py.errors import ConfigError
+from dl4py.parallel.sources import ShardedSource, StreamShardSource, batches_per_epoch, is_shardable
 
 # More CPU workers than this many per core only thrash: each needs its own process, model
 # replica and memory, and they take turns on the cores.
@@ -62,12 +56,7 @@ def own_source(iterator):
 
 
 def check_world(world: int, devices: list[str], iterator) -> None:
-    """Refuse a worker count that cannot work before anything is started, naming the limit,
-    and data the workers cannot take (padded sequences with masks)."""
-    from dl4py.data.sequences import SequenceDataSetIterator
-
-    if isinstance(iterator, SequenceDataSetIterator):
-        raise DataError(MASKS_NOT_CARRIED)
+    """Refuse a worker count that cannot work before anything is started, naming the limit."""
     if is_shardable(iterator):
         pieces = len(iterator.pieces())
         if world > pieces:

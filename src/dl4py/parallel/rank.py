@@ -50,6 +50,7 @@ def run_rank(rank: int, world: int, spec: WorkerSpec, source, *, should_stop=Non
     if spec.environment is not None:  # installed as this process's environment
         Environment.from_dict(spec.environment).apply(device)
     replica = build_replica(spec, device)
+    replica.set_accumulate_batches(spec.accumulate_batches)  # a model file does not carry it
     replica.module.train()
     # All replicas start from worker 0's state, whatever each process built.
     broadcast(replica_state(replica, include_updater=True), src=0)

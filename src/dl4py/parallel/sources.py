@@ -16,7 +16,8 @@
 
 Each yields ``(round_index, DataSet)`` for the rounds its worker trains in; ``start``
 (the batches of the epoch trained before a resume) are left out, and rounds count from
-there (``RoundPlan``).
+there (``RoundPlan``). A batch's ``features_mask`` (padded sequences) travels with it
+whichever way it comes, to the worker's device.
 """
 
 from __future__ import annotations
@@ -35,18 +36,6 @@ from dl4py.parallel.plan import RoundPlan
 
 POLL_SECONDS = 0.2
 END_OF_EPOCH = "end-of-epoch"
-
-
-MASKS_NOT_CARRIED = ("parallel training does not carry sequence masks (features_mask) yet, and without them the "
-                     "padded steps would train as real ones: train sequences of different lengths on one device, "
-                     "or give every sequence the same length and no mask")
-
-
-def refuse_masked(batch) -> None:
-    """A batch with a features mask cannot go to a worker: the mask would be dropped on the
-    way and the padding trained on, a silently wrong result."""
-    if getattr(batch, "features_mask", None) is not None:
-        raise DataError(MASKS_NOT_CARRIED)
 
 
 def batches_per_epoch(iterator) -> int:
@@ -147,8 +136,8 @@ class QueueSource:
                 continue  # dealt for an earlier fit that stopped before reading it
             if isinstance(item, str) and item == END_OF_EPOCH:
                 return
-            features, labels = item
-            yield round_index, DataSet(features, labels)
+            features, labels, mask = item
+            yield round_index, DataSet(features, labels, mask)
             round_index += 1
 
     def close(self) -> None:
@@ -182,9 +171,9 @@ def deal_batches(iterator, inboxes, epochs: int, first_epoch: int, stop_event, t
             count += 1
             if index < start:
                 continue  # trained before the resume
-            refuse_masked(batch)
-            put_bounded(inboxes[(index - start) % len(inboxes)], (job, (batch.features, batch.labels)), stop_event,
-                        timeout)
+            # The mask goes too: without it a worker would train the padding as real steps.
+            item = (batch.features, batch.labels, getattr(batch, "features_mask", None))
+            put_bounded(inboxes[(index - start) % len(inboxes)], (job, item), stop_event, timeout)
             if stop_event.is_set():
                 return  # the fit ended (early stopping asks for epochs without end): read no further
         if count != expected:
@@ -236,13 +225,13 @@ class Prefetcher:
 
     def _move(self, item):
         round_index, batch = item
-        refuse_masked(batch)  # a source that reads the user's iterator itself (StrideSource)
         return (round_index, *copy_to_device(batch, self._device, self._pin, self._stream))
 
-    def _ready(self, moved) -> tuple[int, torch.Tensor, torch.Tensor]:
+    def _ready(self, moved) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(round, features, labels, features mask or None), on the device."""
         round_index, batch, event = moved
         batch = wait_for_copy(batch, event, self._device)  # on the training thread's stream
-        return round_index, batch.features, batch.labels
+        return round_index, batch.features, batch.labels, batch.features_mask
 
     def _fill(self) -> None:
         try:

@@ -13,6 +13,12 @@ workers synchronise anyway keeps the averaging mode's rare synchronisation rare,
 stopped state is one an uninterrupted run passes through, so a resumed run continues
 exactly. The replica's ``batch_in_epoch`` then counts the epoch's batches trained.
 
+Accumulation (``model.accumulate_batches`` = k): each worker sums the gradients of k of
+its own batches (k rounds) before an update, which in shared-gradients mode is when the
+workers average their gradients. ``averaging_frequency`` counts updates: the replicas are
+averaged every ``averaging_frequency * k`` rounds, always between updates, and the workers
+vote on stopping there too. The epoch's last round, or a stop, applies an open window first.
+
 Listeners and early stopping: a pool's worker 0 relays its events to the coordinator,
 which runs them (``events.py``); under torchrun, rank 0 runs the fit's listeners and the
 early-stopping controller's epoch decisions itself. Either way every worker asks the
@@ -37,6 +43,7 @@ from dl4py.parallel.averaging import average, mean_over_participants, replica_st
 from dl4py.parallel.options import ParallelOptions
 from dl4py.parallel.plan import OpenRoundPlan, RoundPlan
 from dl4py.parallel.sources import Prefetcher, ShardedSource
+from dl4py.train import accumulate
 from dl4py.train.early_stopping.controller import first_firing
 from dl4py.train.epoch import EpochSummary, EpochTally, check_finite, epoch_rng, finish_epoch
 
@@ -68,6 +75,7 @@ class WorkerSpec:
     # The coordinator's "dl4py" level where the spec is made (at fit start): spawned workers
     # send it their records from this level up, and make none below it.
     log_level: int = field(default_factory=lambda: logging.getLogger("dl4py").getEffectiveLevel())
+    accumulate_batches: int = 1  # the model's: batches (rounds) whose gradients make one update
 
 
 def worker_device(spec: WorkerSpec, rank: int) -> torch.device:
@@ -130,6 +138,8 @@ def train_epoch(replica, rank, world, spec, source, device, report, listeners, s
     tally = EpochTally(replica, epoch)  # the steps and their counts, as on a single device
     last_loss, trained_since_average = None, False
     rounds_done, averaged = 0, True
+    # Averages and stop votes fall between updates: a window is never averaged half-summed.
+    rounds_per_average = spec.options.rounds_per_average * replica.accumulate_batches
     # Listeners count in the model's units: ``trained`` is every worker's batches of the
     # epoch so far, in this fit; ``first_round`` the epoch's rounds trained before a resume.
     trained, first_round = 0, start // world
@@ -159,7 +169,8 @@ def train_epoch(replica, rank, world, spec, source, device, report, listeners, s
                     in_round = plan.participants(round_index)
                 trained += in_round
                 if mine:
-                    _, features, labels = item
+                    _, features, labels, mask = item
+                    replica.set_mask(mask)  # padded sequences: the batch's own mask, as prepare_batch sets it
                     features = replica.prepare_input(features)  # dtype and memory format
                     last_loss = tally.train(features, labels, f"worker {rank}, epoch {epoch}")
                     trained_since_average = True
@@ -172,11 +183,17 @@ def train_epoch(replica, rank, world, spec, source, device, report, listeners, s
                                                 features.shape[0] * in_round)
                 elif spec.options.training_mode == "shared_gradients":
                     replica.train_step(None, None)  # apply the shared update without a batch of its own
+                else:  # a streamed shard ran dry: its last window now, not after later averages
+                    accumulate.finish(replica)
                 stop = None
                 if spec.iteration_conditions:
                     # Only then: asking means a collective and a read of the loss every round.
                     stop = _iteration_stop(spec.iteration_conditions, last_loss, mine, device)
-                last_round = plan.averages_after(round_index, spec.options.rounds_per_average)
+                if stop is not None or (plan.rounds is not None and round_index == plan.rounds - 1):
+                    # Every worker at once (shared gradients meet in the update): the window
+                    # the epoch's end or a stop cut short is applied.
+                    accumulate.finish(replica)
+                last_round = plan.averages_after(round_index, rounds_per_average)
                 halt = should_stop is not None and last_round and _stop_vote(should_stop(), device)
                 if spec.options.training_mode == "averaging" and (last_round or stop is not None):
                     _average(replica, spec, rank, first_round + round_index, replica.iteration_count + trained,
@@ -192,12 +209,15 @@ def train_epoch(replica, rank, world, spec, source, device, report, listeners, s
                     break
             else:
                 averaged = True  # a fixed plan's last round averages
+            if plan.rounds is None:
+                accumulate.finish(replica)  # a streamed epoch's last window, on every worker alike
             if spec.options.training_mode == "averaging" and plan.rounds is None and not averaged and rounds_done:
                 # A streamed epoch's end is known only once no worker has a batch: average now.
                 _average(replica, spec, rank, first_round + rounds_done - 1, replica.iteration_count + trained,
                          last_loss, trained_since_average, device)
     finally:
         prefetcher.close()
+        replica.set_mask(None)  # no batch's mask outlives the epoch (a launched rank's replica is the user's model)
     totals = torch.tensor([tally.examples, tally.batches, float(tally.loss_sum)], dtype=torch.float64, device=device)
     dist.all_reduce(totals)
     all_examples, all_batches, all_loss = int(totals[0]), int(totals[1]), float(totals[2])

@@ -124,14 +124,18 @@ class ParallelWrapper:
 
     # ---- public ---------------------------------------------------------------------------
     def fit(self, iterator, epochs: int = 1, listeners=(), *, validation=None, metrics=None, verbose="auto",
-            _record_examples: bool = False) -> History:
+            accumulate_batches: int | None = None, _record_examples: bool = False) -> History:
         """Train ``epochs`` epochs; the model then holds the averaged parameters. With
         ``validation`` (anything ``Model.fit`` accepts), the averaged model is scored after
         each epoch, as ``Model.fit`` does. ``verbose`` as ``Model.fit``'s: this process
-        draws the bar (or the lines), counting every worker's batches. Returns the History
+        draws the bar (or the lines), counting every worker's batches. ``accumulate_batches``
+        as ``Model.fit``'s (the model's setting; None keeps it): each worker sums the
+        gradients of that many of its own batches into each update. Returns the History
         of the epochs."""
         if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
             raise ConfigError("epochs", f"must be a positive integer, got {epochs!r}")
+        if accumulate_batches is not None:
+            self.model.set_accumulate_batches(accumulate_batches)
         iterator = as_iterator(iterator, None, seed=getattr(self.model, "seed", 0), training=True)
         listeners = list(listeners)
         listeners += console_listeners(verbose, self.model.epoch_count + epochs, batches_of(iterator), listeners)
@@ -206,6 +210,7 @@ class ParallelWrapper:
             record_examples=record,
             early_stopping=self._controller is not None,
             iteration_conditions=[] if self._controller is None else list(self._controller.config.iteration_conditions),
+            accumulate_batches=self.model.accumulate_batches,
         )
 
     _process_group_backend = staticmethod(process_group_backend)

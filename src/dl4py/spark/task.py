@@ -34,6 +34,7 @@ class TaskJob:
     relay_iterations: bool  # ... and its steps
     cpus: int = 1  # spark.task.cpus: the cores this task may use (CPU training)
     listener_parts: tuple = ()  # rank 0 runs them on its replica and relays what they make (a StatsListener's)
+    accumulate_batches: int = 1  # the model's setting, which its file does not carry
 
 
 def train_task(job: TaskJob):
@@ -60,7 +61,7 @@ def train_task(job: TaskJob):
         # verbose=0: the driver shows progress, from the relayed events; a task prints none.
         history = ParallelWrapper(model, **job.options).fit(job.data, epochs=job.epochs, listeners=listeners,
                                                             validation=job.validation, metrics=job.metrics,
-                                                            verbose=0)
+                                                            verbose=0, accumulate_batches=job.accumulate_batches)
     except BaseException as exc:
         _report(job, rank, exc)
         raise

@@ -102,7 +102,8 @@ class SparkTrainer:
                           metrics=None if metrics is None else list(metrics), epochs=epochs, options=self.options,
                           use_gpu=self.use_gpu, precision=model.precision.name, address=server.address,
                           key=server.key, relay=replay.relays_epochs, relay_iterations=replay.relays_iterations,
-                          cpus=_task_cpus(spark), listener_parts=tuple(replay.worker_parts(self.workers)))
+                          cpus=_task_cpus(spark), listener_parts=tuple(replay.worker_parts(self.workers)),
+                          accumulate_batches=model.accumulate_batches)
             failed = True
             try:
                 replay.fit_start()

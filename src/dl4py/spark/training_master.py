@@ -59,10 +59,11 @@ class SparkDl4jMultiLayer:
     network, which ``get_network()`` returns."""
 
     def __init__(self, spark, network, training_master, *, use_gpu: bool = False):
-        from dl4py.config import NetworkConfig
-        from dl4py.nn.network import MultiLayerNetwork
+        from dl4py.config import GraphConfig, NetworkConfig
+        from dl4py.nn.loading import network_model
 
-        self.network = MultiLayerNetwork(network) if isinstance(network, NetworkConfig) else network
+        # A GraphConfig trains here too (DL4J has SparkComputationGraph for it).
+        self.network = network_model(network) if isinstance(network, (NetworkConfig, GraphConfig)) else network
         self.training_master = training_master
         workers = training_master.workers or spark.sparkContext.defaultParallelism
         self.trainer = SparkTrainer(self.network, workers, spark=spark, use_gpu=use_gpu,

@@ -45,10 +45,11 @@ def gradient_normalizer(model) -> GradientNormalizer | None:
     updates (float32 masters under 16-bit precisions), in the module's ``<layer index>.``
     naming. Other models (TorchModel) have no per-layer config and are not normalized.
     """
+    from dl4py.config.graph import GraphConfig
     from dl4py.config.network import NetworkConfig
 
     config = getattr(model, "config", None)
-    if not isinstance(config, NetworkConfig):
+    if not isinstance(config, (NetworkConfig, GraphConfig)):  # a graph's module yields its layers in order
         return None
     module = model.module if model.master is None else model.master.master_module
     layers = []

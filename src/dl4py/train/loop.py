@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dl4py.data.iterators import WrappedIterator
 from dl4py.errors import DataError, DL4PyError
+from dl4py.train import accumulate
 from dl4py.train.epoch import EpochSummary, EpochTally, check_finite, epoch_rng, finish_epoch
 from dl4py.train.history import History
 from dl4py.train.interrupt import DeferredInterrupt
@@ -67,6 +68,7 @@ def fit(model, iterator, epochs: int, listeners: list, validation=None, metrics=
                 model.batch_in_epoch = 0
             raise
         finally:
+            accumulate.discard(model)  # a window a failure left open: its batches were never applied
             for listener in listeners:
                 listener.on_fit_end(model, interrupted)
     if interrupted:
@@ -102,15 +104,20 @@ def _run_epoch(model, iterator, listeners, interrupt) -> EpochSummary | None:
             for listener in listeners:
                 listener.iteration_done(model, model.iteration_count, epoch, loss, features.shape[0])
             if model.stop_reason is not None:  # before the NaN check: a stop on NaN is asked for
+                accumulate.finish(model)  # what was accumulated is applied, as at an epoch's end
                 return tally.summary(completed=False)
             if tally.batches % NAN_CHECK_EVERY == 0:
                 check_finite(model, tally.loss_sum, epoch)
-            if interrupt.requested:
+            if interrupt.requested and not accumulate.pending(model):
+                # Between updates only: the model and its checkpoint never hold half a window,
+                # and a resumed run accumulates the same windows an uninterrupted one would.
                 return None
     if tally.batches == 0 and not skip:  # an exhausted generator, an empty source: no epoch to count as done
         raise DataError(f"the data gave no batches in epoch {epoch}; a one-pass iterable (a generator) is "
                         "spent after its first epoch: pass a DataSetIterator, a DataLoader or a callable "
                         "returning a fresh iterable")
+    if accumulate.finish(model) and interrupt.requested:  # the epoch's last window, maybe short
+        return None  # asked for during that window; a resumed run finds no batches left and ends the epoch
     finish_epoch(model, tally.loss_sum, epoch)
     return tally.summary()  # no batches: stopped after its last one, its mean loss NaN
 

@@ -5,7 +5,8 @@ later), so a model trains identically whichever runs it. The precision policy de
 the extras: autocast, loss scaling, float32 master weights; gradient normalization (DL4J's
 GradientNormalization, on unscaled gradients); a scheduled learning rate is
 set from the count of applied updates, which an update skipped for an fp16 overflow does
-not advance.
+not advance. With ``model.accumulate_batches`` > 1 the batches' gradients are summed and
+the update runs once per window of that many batches (``train/accumulate.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from dl4py.train.accumulate import AccumulatingStep
 from dl4py.train.gradient_normalization import gradient_normalizer
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -61,16 +63,19 @@ def make_train_step(model, gradient_hook=None) -> Callable[[torch.Tensor, torch.
     ``gradient_hook(took_part)`` runs between backward and the update (the parallel
     trainer shares gradients there). With a hook, ``step(None, None)`` is a step without
     a batch: this worker contributes nothing but applies the shared update, so replicas
-    stay identical when the last round has fewer batches than workers.
+    stay identical when the last round has fewer batches than workers. With
+    ``model.accumulate_batches`` = k > 1 the step is an ``AccumulatingStep``: it updates
+    on every k-th call, and ``flush()`` applies a window cut short.
     """
     module, optimizer, loss_fn = forward_function(model), model.optimizer, model.loss
     precision, device = model.precision, model.backend.device
     master, scaler = model.master, model.scaler
     scheduled = model.learning_rate_at(0, 0) is not None
     normalizer = gradient_normalizer(model)
+    batches = getattr(model, "accumulate_batches", 1)  # absent from models pickled before it existed
     plain = master is None and scaler is None and precision.autocast_dtype is None and normalizer is None
 
-    if plain and not scheduled and gradient_hook is None:
+    if plain and not scheduled and gradient_hook is None and batches == 1:
 
         def step(features, labels):
             optimizer.zero_grad(set_to_none=True)
@@ -82,19 +87,22 @@ def make_train_step(model, gradient_hook=None) -> Callable[[torch.Tensor, torch.
 
         return step
 
-    def full_step(features, labels):
-        optimizer.zero_grad(set_to_none=True)
-        took_part = features is not None
-        loss = None
-        if took_part:
-            with precision.forward_context(device):
-                outputs = module(features)
-            if outputs.dtype in _LOW:  # the loss and its reduction in float32
-                outputs = outputs.float()
-            loss = loss_fn(outputs, labels)
-            (loss if scaler is None else scaler.scale(loss)).backward()
-            if master is not None:
-                master.grads_to_master()
+    def backward(features, labels, weight=None):
+        """Forward and backward of one batch; its gradient (times ``weight``, a share of an
+        accumulation window) is added to the stepped parameters' ``.grad``."""
+        with precision.forward_context(device):
+            outputs = module(features)
+        if outputs.dtype in _LOW:  # the loss and its reduction in float32
+            outputs = outputs.float()
+        loss = loss_fn(outputs, labels)
+        weighted = loss if weight is None else loss * weight
+        (weighted if scaler is None else scaler.scale(weighted)).backward()
+        if master is not None:
+            master.grads_to_master()
+        return loss.detach()
+
+    def update(took_part):
+        """The update from the gradients held: shared, unscaled, normalized, stepped."""
         if gradient_hook is not None:
             gradient_hook(took_part)  # shared first: the norms are those of the averaged gradient
         if normalizer is not None:
@@ -123,7 +131,22 @@ def make_train_step(model, gradient_hook=None) -> Callable[[torch.Tensor, torch.
                 if master is not None:  # a skipped step left the masters as they were: a no-op copy
                     master.master_to_module()
                 model.count_updates_later(applied)
-        return None if loss is None else loss.detach()
+
+    def clear():
+        optimizer.zero_grad(set_to_none=True)
+
+    if batches > 1:
+        def gradients():
+            return [p.grad for group in optimizer.param_groups for p in group["params"]]
+
+        return AccumulatingStep(batches, backward, update, clear, gradients)
+
+    def full_step(features, labels):
+        clear()
+        took_part = features is not None
+        loss = backward(features, labels) if took_part else None
+        update(took_part)
+        return loss
 
     return full_step
 

@@ -1,0 +1,93 @@
+"""Memory rules of the layers in ``config/layers_extra.py``, for ``operations.py``.
+
+Each layer is a short chain of ``Op``s, with what autograd saves for backward as PyTorch's
+derivative formulas have it (``derivatives.yaml``): a 1-D convolution or a transposed one
+keeps its input, like a 2-D convolution; max pooling keeps its input and int64 indices;
+average pooling its input; nearest upsampling and zero padding keep nothing but sizes;
+layer normalization keeps its input and a mean and inverse deviation per normalised row.
+Self-attention is its input projection (a matrix product keeping its input), the attention
+kernel (keeping queries, keys, values, its result and a log-sum-exp per query and head),
+the heads' concatenation (a copy) and the output projection; without projection the
+kernel's backward returns a gradient for each of queries, keys and values, all the
+input's. Estimated without a mask, as ``measure_training_step`` runs them by default; a
+masked batch adds the mask's multiplications.
+"""
+
+from __future__ import annotations
+
+from dl4py.config.layers_extra import (
+    Convolution1DLayer,
+    Deconvolution2D,
+    LayerNormalization,
+    SelfAttentionLayer,
+    Subsampling1DLayer,
+    Upsampling2D,
+    ZeroPaddingLayer,
+)
+from dl4py.memory.sequence_ops import elements
+
+
+def extra_layer_ops(layer, index: int, shapes, config, l2: float, op_type, activation_ops) -> list:
+    """The Ops of one of ``config/layers_extra.py``'s layers. ``shapes`` has ``input`` and
+    ``output`` (config.layers.Shape); ``l2`` is its weights' decay; ``op_type`` is
+    operations.Op and ``activation_ops(index, name, elements)`` operations' activation rule."""
+    Op = op_type
+    n_in, n_out = elements(shapes.input, config), elements(shapes.output, config)
+    if isinstance(layer, Convolution1DLayer):
+        weights = shapes.input.dims[1] * layer.n_out * layer.kernel_size
+        params = ((weights, l2),) + (((layer.n_out, 0.0),) if layer.has_bias else ())
+        conv = Op(index, "conv1d", n_out, True, False, params=params, autocast=True)
+        return [conv, _contiguous(index, n_out, Op)] + activation_ops(
+            index, layer.activation or config.activation, n_out)
+    if isinstance(layer, Subsampling1DLayer):
+        if layer.pooling_type == "max":  # int64 indices of each maximum, kept for backward
+            return [Op(index, "max_pool1d", n_out, True, False, extra_bytes=8.0 * n_out), _contiguous(index, n_out, Op)]
+        return [Op(index, "avg_pool1d", n_out, True, False), _contiguous(index, n_out, Op)]
+    if isinstance(layer, Upsampling2D):
+        return [Op(index, "upsample_nearest2d", n_out, False, False)]
+    if isinstance(layer, ZeroPaddingLayer):
+        return [Op(index, "constant_pad_nd", n_out, False, False)]
+    if isinstance(layer, Deconvolution2D):
+        kh, kw = layer.kernel_size
+        weights = shapes.input.dims[0] * layer.n_out * kh * kw
+        params = ((weights, l2),) + (((layer.n_out, 0.0),) if layer.has_bias else ())
+        return [Op(index, "conv_transpose2d", n_out, True, False, params=params, autocast=True)] + activation_ops(
+            index, layer.activation or config.activation, n_out)
+    if isinstance(layer, LayerNormalization):
+        kind = shapes.input.kind
+        features = shapes.input.dims[0] if kind == "cnn" else shapes.input.dims[-1]
+        rows = n_in // shapes.input.dims[-1] if kind == "rnn" else 1  # one per step, or per example
+        # Its mean and inverse deviation per row (float32), kept for backward. No L2 (as batch norm).
+        return [Op(index, "group_norm" if kind == "cnn" else "layer_norm", n_out, True, False,
+                   extra_bytes=8.0 * rows, params=((features, 0.0), (features, 0.0)))]
+    if isinstance(layer, SelfAttentionLayer):
+        return _attention_ops(layer, index, shapes, n_in, n_out, l2, Op)
+    raise TypeError(f"the memory estimator has no rule for layer type {type(layer).__name__}")
+
+
+def _contiguous(index: int, n_out: int, Op):
+    """The copy that turns a 1-D window's [batch, size, time] result into [batch, time, size]."""
+    return Op(index, "contiguous", n_out, False, False)
+
+
+def _attention_ops(layer, index: int, shapes, n_in: int, n_out: int, l2: float, Op) -> list:
+    size = shapes.input.dims[1]
+    time = n_in // size
+    heads = layer.n_heads * layer.resolved_head_size(size)
+    ops = []
+    if layer.project_input:
+        ops.append(Op(index, "linear", 3 * heads * time, True, False, params=((3 * heads * size, l2),),
+                      autocast=True))
+    # The attention's result; it keeps queries, keys and values (the projection's result, or
+    # the input) and its result, and a float32 log-sum-exp per query and head. Its result
+    # is laid out [batch, time, heads, head_size]: the heads' concatenation is a view.
+    saved = 4.0 * time * layer.n_heads
+    # Without projection, queries, keys and values are all the input, and the kernel's
+    # backward returns a gradient for each before they are summed: two more input-sized
+    # tensors, alive in that backward only.
+    scratch = 0 if layer.project_input else 2 * n_in
+    ops.append(Op(index, "scaled_dot_product_attention", heads * time, True, True, extra_bytes=saved,
+                  backward_scratch_elements=scratch))
+    if layer.project_input:
+        ops.append(Op(index, "linear", n_out, True, False, params=((heads * layer.n_out, l2),), autocast=True))
+    return ops

@@ -1,0 +1,291 @@
+"""Replay a step's forward, backward and update over its ``StepGraph``, on a ``Timeline``.
+
+A tensor is freed when the last thing holding it lets go, as in PyTorch: the module's
+forward holds a result until the operators that read it are done, autograd holds what an
+operator saved until that operator's backward has run, and the engine holds a gradient
+until the node it is for has consumed it. ``_Tensor`` counts those holders.
+
+The forward pass runs the nodes in order. A layer's (vertex's) inputs stay alive until the
+layer returns (its ``nn.Sequential`` holds its argument), an intermediate result until the
+next operator of the layer has run, a layer's result until the last layer reading it has
+returned. Autograd's engine runs the backward in reverse order of creation (its ready
+queue pops the node with the highest sequence number, and a node is ready once every node
+reading its result has run), so the backward walks the nodes in reverse.
+
+Where a result feeds several nodes (a fork: a residual connection's skip), its gradient
+arrives in parts, and the first waits in the engine's input buffer until the others have
+come. The engine adds each new part (``InputBuffer::accumulate``): in place when the buffer
+holds the only reference to a dense tensor, otherwise ``old + new``, a new tensor. Under a
+``TorchDispatchMode`` (``LiveTensorBytes``, the measurement) ATen treats every tensor as a
+subclass, so it never adds in place; ``backward``'s ``in_place_accumulation`` picks which
+is replayed (``estimate``'s ``as_measured``). A slice of a larger gradient (a merge's) is
+never added to in place.
+"""
+
+from __future__ import annotations
+
+from dl4py.memory.step_graph import StepGraph
+from dl4py.memory.timeline import Timeline
+from dl4py.memory.updater_memory import update_temporaries
+
+
+class _Tensor:
+    """A storage on the timeline, freed when its last holder releases it."""
+
+    def __init__(self, t: Timeline, kind: str, nbytes: float, phase: str):
+        self.t, self.kind, self.nbytes, self.holders = t, kind, nbytes, 1
+        self.size = t.alloc(kind, nbytes, phase)
+
+    def hold(self) -> "_Tensor":
+        self.holders += 1
+        return self
+
+    def release(self) -> None:
+        self.holders -= 1
+        if self.holders == 0:
+            self.t.free(self.kind, self.nbytes)
+
+
+class _Step:
+    """What the forward pass leaves for the backward pass to find."""
+
+    def __init__(self, graph: StepGraph, n: int, sizes, t: Timeline):
+        self.graph, self.n, self.sizes, self.t = graph, n, sizes, t
+        self.nodes = graph.nodes
+        self.act = sizes.activation
+        # Whether a node's result needs a gradient: it has parameters that train, or reads
+        # one that does. Autograd records (and saves for) only these.
+        self.recorded: list[bool] = []
+        for node in self.nodes:
+            own = bool(node.op.params) and not node.op.frozen
+            self.recorded.append(own or any(s >= 0 and self.recorded[s] for s in node.sources))
+        self.results: dict[int, _Tensor] = {}
+        self.saved: dict[int, list[_Tensor]] = {}  # node -> what autograd keeps for its backward
+        self.input_copies: dict[int, list[float]] = {}  # node -> its 16-bit copies of float inputs
+
+    def phase(self, stage: str, j: int) -> str:
+        op = self.nodes[j].op
+        return f"{stage}, {self.graph.names[op.layer]} ({op.name})"
+
+    def input_bytes(self, source: int) -> float:
+        return self.n * self.graph.input_elements[-1 - source] * self.act
+
+    def result_bytes(self, j: int) -> float:
+        return self.n * self.nodes[j].op.out_elements * self.act
+
+    def releases(self) -> dict[int, list[int]]:
+        """node -> the results the module lets go once that node has run."""
+        nodes = self.nodes
+        last_of_layer: dict[int, int] = {}
+        for j, node in enumerate(nodes):
+            last_of_layer[node.op.layer] = j
+        heads = {head.node for head in self.graph.losses}  # the step holds the scores
+        readers: dict[int, list[int]] = {}
+        for k, node in enumerate(nodes):
+            for s in dict.fromkeys(node.sources):
+                readers.setdefault(s, []).append(k)
+        after: dict[int, list[int]] = {}
+        for j, node in enumerate(nodes):
+            if j not in readers or j in heads:
+                continue
+            if last_of_layer[node.op.layer] != j:  # within a layer: until the next operator has run
+                release = readers[j][0]
+            else:  # until the last layer reading it has returned
+                release = max(last_of_layer[nodes[k].op.layer] for k in readers[j])
+            after.setdefault(release, []).append(j)
+        return after
+
+    def make_result(self, j: int, stage: str) -> _Tensor:
+        node = self.nodes[j]
+        if node.view and node.sources[0] < 0:  # a view of the batch, which the step holds anyway
+            result = _Tensor(self.t, "input", 0, "start")
+        elif node.view:
+            result = self.results[node.sources[0]].hold()
+        else:
+            result = _Tensor(self.t, "activations", self.result_bytes(j), self.phase(stage, j))
+        self.results[j] = result
+        return result
+
+
+def forward(graph: StepGraph, n: int, sizes, t: Timeline) -> tuple[_Step, dict[int, int]]:
+    """Run the forward pass and the losses; return the step's state and the bytes each layer
+    leaves saved for backward."""
+    step = _Step(graph, n, sizes, t)
+    nodes, act = step.nodes, step.act
+    releases = step.releases()
+    saved_bytes: dict[int, int] = {}
+    heads = {head.node for head in graph.losses}
+    readers_save = [False] * len(nodes)  # some recorded node saves this node's result
+    for k, node in enumerate(nodes):
+        if step.recorded[k] and node.op.saves_input:
+            for s in node.sources:
+                if s >= 0:
+                    readers_save[s] = True
+    for j, node in enumerate(nodes):
+        op, phase = node.op, step.phase("forward", j)
+        if not step.recorded[j]:  # as in inference (max pooling computes its indices anyway)
+            step.make_result(j, "forward")
+            extra = t.alloc("activations", op.saved_extra_bytes(n), phase)
+            t.free("activations", extra)
+        else:
+            if sizes.autocast and op.autocast:  # 16-bit copies of its parameters, and of a float input
+                for elements, _ in _autocast_copies(step, j):
+                    t.alloc("activations", elements * act, phase)
+                copies = [step.input_bytes(s) for s in node.sources if s < 0]
+                for nbytes in copies:
+                    t.alloc("activations", nbytes, phase)
+                step.input_copies[j] = copies
+            result = step.make_result(j, "forward")
+            extra = op.saved_extra_bytes(n)
+            t.alloc("activations", extra, phase)
+            keeps = []
+            if op.saves_result:
+                keeps.append(result.hold())
+            if op.saves_input:
+                keeps += [step.results[s].hold() for s in node.sources if s >= 0]
+            step.saved[j] = keeps
+            kept = op.saves_result or readers_save[j] or j in heads
+            own = 0 if node.view else t.size(step.result_bytes(j))
+            saved_bytes[op.layer] = saved_bytes.get(op.layer, 0) + own * kept + t.size(extra)
+        for done in releases.get(j, ()):
+            step.results[done].release()
+    if sizes.autocast:  # leaving autocast frees the parameter copies autograd did not save
+        for j in range(len(nodes)):
+            if step.recorded[j]:
+                for elements, kept in _autocast_copies(step, j):
+                    if not kept:
+                        t.free("activations", elements * act)
+    for head in graph.losses:
+        # The loss: a float32 copy of 16-bit scores, the log-softmax (kept for backward).
+        loss = n * head.classes * _loss_bytes_per_score(act)
+        t.alloc("activations", loss, "forward, loss")
+        layer = nodes[head.node].op.layer
+        saved_bytes[layer] = saved_bytes.get(layer, 0) + loss
+    for head in graph.losses:
+        # ``loss_fn(module(x), y)``: nothing holds the scores once the loss is computed
+        # (the log-softmax keeps its result), unless an operator saved them.
+        step.results[head.node].release()
+    return step, saved_bytes
+
+
+def _loss_bytes_per_score(act: int) -> int:
+    return (4 if act < 4 else 0) + 4
+
+
+def _autocast_copies(step: _Step, j: int) -> list[tuple[int, bool]]:
+    """Node j's 16-bit parameter copies under autocast: (elements, saved for backward) each.
+
+    Autocast caches the copies until the forward pass ends; then only those autograd saved
+    live on. A convolution saves its weight (one derivative formula for all its inputs); a
+    matrix product saves its weight only when its input needs a gradient (the first dense
+    layer's does not: its input is the batch). No op saves its bias."""
+    node = step.nodes[j]
+    op = node.op
+    if not op.autocast:
+        return []
+    weight_saved = op.name == "conv2d" or any(s >= 0 and step.recorded[s] for s in node.sources)
+    return [(elements, i == 0 and weight_saved) for i, (elements, _) in enumerate(op.params)]
+
+
+def backward(step: _Step, in_place_accumulation: bool = True) -> None:
+    """Run the backward pass: the losses' gradients, then each recorded node in reverse."""
+    n, sizes, t, act, nodes = step.n, step.sizes, step.t, step.act, step.nodes
+    # node -> the gradient waiting for it (the engine's InputBuffer), and whether it is whole (not a slice)
+    buffers: dict[int, tuple[_Tensor, bool]] = {}
+    for head in reversed(step.graph.losses):
+        # The gradient of the log-softmax (float32); of 16-bit scores' float32 copy; then of
+        # the scores (the log-softmax's backward makes it, or the cast's).
+        float_grads = n * head.classes * (4 + (4 if act < 4 else 0))
+        t.alloc("workspace", float_grads, "backward, loss")
+        grad = _Tensor(t, "workspace", n * head.classes * act, "backward, loss")
+        t.free("workspace", float_grads)
+        t.free("activations", n * head.classes * _loss_bytes_per_score(act))
+        _deliver(step, buffers, head.node, grad, True, in_place_accumulation)
+    for j in range(len(nodes) - 1, -1, -1):
+        if not step.recorded[j] or j not in buffers:
+            continue
+        node, op, phase = nodes[j], nodes[j].op, step.phase("backward", j)
+        grad_out, _ = buffers.pop(j)
+        # The gradients of its inputs (neither the batch nor a result that needs none gets one).
+        if op.stepwise_backward:  # each step's saved values are gone before the gradients are whole
+            t.free("activations", op.saved_extra_bytes(n))
+        grads = []
+        unneeded = 0.0  # a fused kernel's input gradients that nothing needs, dropped at once
+        for i, s in enumerate(node.sources):
+            if s < 0 or not step.recorded[s]:
+                if op.fused_backward:
+                    unneeded += step.input_bytes(s) if s < 0 else step.result_bytes(s)
+                continue
+            kind = node.gradient(i)
+            if kind == "new":
+                grads.append((s, _Tensor(t, "workspace", step.result_bytes(s), phase), True))
+            else:
+                grads.append((s, grad_out.hold(), kind == "same"))
+        scratch = t.alloc("workspace", unneeded + n * (node.scratch_elements * act + node.scratch_bytes
+                                                       + op.backward_scratch_elements * act
+                                                       + op.backward_scratch_bytes), phase)
+        cast = sizes.autocast and op.autocast and op.params and not op.frozen
+        # The parameters' gradients: under autocast, first in 16 bits (for the cast copy).
+        if cast:
+            for elements, _ in op.params:
+                t.alloc("workspace", elements * act, phase)
+        elif not op.frozen:
+            t.alloc("gradients", op.param_elements * sizes.param, phase)
+        t.free("workspace", scratch)  # its kernel returned them with the parameters' gradients
+        # The node is done: it frees the gradient it consumed, and what it saved.
+        grad_out.release()
+        if not op.stepwise_backward:
+            t.free("activations", op.saved_extra_bytes(n))
+        for tensor in step.saved.pop(j, ()):
+            tensor.release()
+        if sizes.autocast and op.autocast:
+            for elements, kept in _autocast_copies(step, j):  # its 16-bit parameter copies
+                if kept:
+                    t.free("activations", elements * act)
+            for nbytes in step.input_copies.pop(j, ()):  # and of a float input
+                t.free("activations", nbytes)
+        if cast:  # the cast's backward: each parameter's float32 gradient, one after the other
+            for elements, _ in op.params:
+                t.alloc("gradients", elements * sizes.param, phase)
+                t.free("workspace", elements * act)
+        for s, grad, whole in grads:
+            _deliver(step, buffers, s, grad, whole, in_place_accumulation)
+    for grad, _ in buffers.values():  # gradients no recorded node consumes (none in a trained graph)
+        grad.release()
+
+
+def _deliver(step: _Step, buffers: dict, node: int, grad: _Tensor, whole: bool, in_place: bool) -> None:
+    """Hand ``grad`` to ``node``'s input buffer, adding it to what is already there.
+    ``whole``: the gradient is a tensor of its own, not a slice of a larger one."""
+    if node not in buffers:
+        buffers[node] = (grad, whole)
+        return
+    waiting, waiting_whole = buffers[node]
+    if in_place and waiting_whole and waiting.holders == 1:  # old.add_(new): the buffer's tensor is its alone
+        grad.release()
+        return
+    total = _Tensor(step.t, "workspace", step.result_bytes(node), step.phase("backward, accumulate", node))
+    buffers[node] = (total, True)
+    waiting.release()
+    grad.release()
+
+
+def update(ops, updater, implementation: str, sizes, t: Timeline) -> None:
+    tensors = [p for op in ops if not op.frozen for p in op.params]
+    if sizes.master:  # 16-bit gradients become float32 gradients of the masters, one by one
+        for elements, _ in tensors:
+            t.alloc("gradients", elements * 4, "update, gradients to float32 masters")
+            t.free("gradients", elements * sizes.param)
+    scratch = update_temporaries(updater, implementation, tensors, sizes.state)
+    t.alloc("workspace", scratch, f"update ({type(updater).__name__}, {implementation})")
+    t.free("workspace", scratch)
+
+
+def inference(graph: StepGraph, n: int, sizes, t: Timeline) -> None:
+    """No autograd: a result lives until the layers reading it have returned."""
+    step = _Step(graph, n, sizes, t)
+    releases = step.releases()
+    for j in range(len(step.nodes)):
+        step.make_result(j, "inference")
+        for done in releases.get(j, ()):
+            step.results[done].release()

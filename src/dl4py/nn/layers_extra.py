@@ -1,0 +1,179 @@
+"""Modules of the layers in ``config/layers_extra.py``, for ``builder._layer_parts``.
+
+Sequences are ``[batch, time, size]``; torch's 1-D convolution and pooling want
+``[batch, size, time]``, so those modules transpose in and out (views, no copies).
+Padded sequences carry the batch's mask in the model's ``SequenceMask`` (``nn/recurrent.py``):
+
+- self-attention never attends to a padded step (a key mask), and zeroes its outputs there;
+- layer normalization works on each step alone, and zeroes its outputs at padded steps;
+- a 1-D convolution or pooling that keeps the length (stride 1, ``2 * padding`` equal to
+  the window's span less one) sees padded steps as its own padding would be (zeros; minus
+  infinity for max pooling), so real steps come out as for each sequence alone. One that
+  changes the length would need a new mask for the layers after it: it refuses masked
+  batches with a DataError naming the layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dl4py.config.layers_extra import (
+    Convolution1DLayer,
+    Deconvolution2D,
+    LayerNormalization,
+    SelfAttentionLayer,
+    Subsampling1DLayer,
+    Upsampling2D,
+    ZeroPaddingLayer,
+)
+from dl4py.errors import DataError
+from dl4py.nn.recurrent import SequenceMask, _zero_padding
+
+
+class _SequenceWindow(nn.Module):
+    """A 1-D convolution or pooling ``op`` over the time axis of ``[batch, time, size]``."""
+
+    def __init__(self, op: nn.Module, masks: SequenceMask, where: str, span: int, padding: int, fill: float = 0.0):
+        super().__init__()
+        self.op = op
+        self.masks = masks
+        self.where = where
+        self.span, self.padding = span, padding  # steps one window covers; padding each side
+        self.fill = fill  # what a padded step must look like: the op's own padding value
+
+    def forward(self, x):
+        if x.shape[1] + 2 * self.padding < self.span:  # a length the config could not check
+            raise DataError(
+                f"{self.where}: sequences of {x.shape[1]} steps (+{2 * self.padding} padding) are shorter "
+                f"than the kernel's span of {self.span} steps"
+            )
+        mask = self.masks.current
+        if mask is None:
+            return self._op(x)
+        real = mask.bool().unsqueeze(-1)
+        out = self._op(x.masked_fill(~real, self.fill))
+        if out.shape[1] != x.shape[1]:
+            raise DataError(
+                f"{self.where}: this window changes the sequence length ({x.shape[1]} -> "
+                f"{out.shape[1]} steps), so the batch's mask would not fit the layers after it; "
+                "masked (padded) sequences need stride 1 and padding = dilation*(kernel_size-1)/2 "
+                "here, or batches of equal-length sequences without a mask"
+            )
+        return out.masked_fill(~real, 0.0)  # not a product: max pooling's padded steps are -inf
+
+    def _op(self, x):
+        # Made contiguous: a transposed result would make the next layer (an LSTM, the
+        # attention kernel) copy it, or take a slower path.
+        return self.op(x.transpose(1, 2)).transpose(1, 2).contiguous()
+
+
+class SequenceLayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` over each step's features, zero at padded steps."""
+
+    def __init__(self, size: int, eps: float, masks: SequenceMask):
+        super().__init__(size, eps=eps)
+        self.masks = masks
+
+    def forward(self, x):
+        return _zero_padding(super().forward(x), self.masks.current)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention with ``F.scaled_dot_product_attention`` (fused kernels on a
+    GPU). ``qkv`` projects the input to queries, keys and values at once (one matrix
+    product); ``out`` projects the heads' concatenation to ``n_out``. Without projection the
+    input is split into the heads as it is."""
+
+    def __init__(self, n_in: int, n_out: int, n_heads: int, head_size: int, project: bool, masks: SequenceMask):
+        super().__init__()
+        self.n_heads, self.head_size, self.project = n_heads, head_size, project
+        self.masks = masks
+        if project:
+            self.qkv = nn.Linear(n_in, 3 * n_heads * head_size, bias=False)
+            self.out = nn.Linear(n_heads * head_size, n_out, bias=False)
+
+    def forward(self, x):
+        n, time, _ = x.shape
+        h, d = self.n_heads, self.head_size
+        if self.project:
+            q, k, v = self.qkv(x).view(n, time, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)
+        else:
+            q = k = v = x.reshape(n, time, h, d).transpose(1, 2)
+        mask = self.masks.current
+        # [n, 1, 1, time]: every query may look at the real steps (keys) of its sequence only.
+        keys = None if mask is None else mask.bool()[:, None, None, :]
+        heads = F.scaled_dot_product_attention(q, k, v, attn_mask=keys)
+        out = heads.transpose(1, 2).reshape(n, time, h * d)
+        if self.project:
+            out = self.out(out)
+        return _zero_padding(out, mask)
+
+    def extra_repr(self) -> str:
+        return f"n_heads={self.n_heads}, head_size={self.head_size}, project_input={self.project}"
+
+
+def extra_parts(layer, shape, config, gen, masks: SequenceMask | None, where: str, init_weight):
+    """The module of one of ``config/layers_extra.py``'s layers and its activation (or None).
+    ``masks``: the model's SequenceMask (None: a fresh, empty one: no masking)."""
+    from dl4py.nn.builder import ACTIVATIONS
+
+    masks = SequenceMask() if masks is None else masks
+    scheme = getattr(layer, "weight_init", None) or config.weight_init
+
+    def activation():
+        return ACTIVATIONS[getattr(layer, "activation", None) or config.activation]()
+
+    if isinstance(layer, Convolution1DLayer):
+        conv = nn.Conv1d(shape.dims[1], layer.n_out, layer.kernel_size, layer.stride, layer.padding,
+                         layer.dilation, bias=layer.has_bias)
+        _init(conv, scheme, gen, init_weight)
+        span = layer.dilation * (layer.kernel_size - 1) + 1
+        return _SequenceWindow(conv, masks, where, span, layer.padding), activation()
+    if isinstance(layer, Subsampling1DLayer):
+        window = (masks, where, layer.kernel_size, layer.padding)
+        if layer.pooling_type == "max":
+            pool = nn.MaxPool1d(layer.kernel_size, layer.stride, layer.padding)
+            return _SequenceWindow(pool, *window, fill=float("-inf")), None
+        return _SequenceWindow(nn.AvgPool1d(layer.kernel_size, layer.stride, layer.padding), *window), None
+    if isinstance(layer, Upsampling2D):
+        return nn.Upsample(scale_factor=tuple(float(s) for s in layer.size), mode="nearest"), None
+    if isinstance(layer, Deconvolution2D):
+        conv = nn.ConvTranspose2d(shape.dims[0], layer.n_out, layer.kernel_size, layer.stride, layer.padding,
+                                  dilation=layer.dilation, bias=layer.has_bias)
+        # The weight is [in, out, kh, kw]: transposed, the fans are those of a convolution
+        # from n_in to n_out channels, as DL4J counts them.
+        init_weight(conv.weight.transpose(0, 1), scheme, gen)
+        if conv.bias is not None:
+            nn.init.zeros_(conv.bias)
+        return conv, activation()
+    if isinstance(layer, ZeroPaddingLayer):
+        top, bottom, left, right = layer.padding
+        return nn.ZeroPad2d((left, right, top, bottom)), None
+    if isinstance(layer, LayerNormalization):
+        if shape.kind == "cnn":
+            return nn.GroupNorm(1, shape.dims[0], eps=layer.eps), None
+        if shape.kind == "rnn":
+            return SequenceLayerNorm(shape.dims[1], layer.eps, masks), None
+        return nn.LayerNorm(shape.dims[0], eps=layer.eps), None
+    if isinstance(layer, SelfAttentionLayer):
+        n_in = shape.dims[1]
+        head_size = layer.resolved_head_size(n_in)
+        module = SelfAttention(n_in, layer.n_out, layer.n_heads, head_size, layer.project_input, masks)
+        if layer.project_input:
+            inner = layer.n_heads * head_size
+            for i in range(3):  # each of the query, key and value matrices on its own fans
+                init_weight(module.qkv.weight[i * inner : (i + 1) * inner], scheme, gen)
+            init_weight(module.out.weight, scheme, gen)
+        return module, None
+    raise TypeError(f"no module builder for layer type {type(layer).__name__}")
+
+
+def _init(conv: nn.Module, scheme: str, gen: torch.Generator, init_weight) -> None:
+    init_weight(conv.weight, scheme, gen)
+    if conv.bias is not None:
+        nn.init.zeros_(conv.bias)
+
+
+__all__ = ["SelfAttention", "SequenceLayerNorm", "extra_parts"]
