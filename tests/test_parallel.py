@@ -147,10 +147,11 @@ def _processes():
 
 def _children() -> list[int]:
     """Live child processes of this test process, except Python's multiprocessing resource
-    tracker: one per interpreter, started by the first spawn and kept until the interpreter
-    exits; it is no worker."""
+    tracker and the forkserver workers are forked from: one each per interpreter, started by
+    the first pool and kept until the interpreter exits; they are no workers."""
     return [pid for pid, fields, cmdline in _processes()
-            if int(fields[1]) == os.getpid() and b"multiprocessing.resource_tracker" not in cmdline]
+            if int(fields[1]) == os.getpid() and b"multiprocessing.resource_tracker" not in cmdline
+            and b"multiprocessing.forkserver" not in cmdline]
 
 
 @pytest.mark.parametrize("iterator_class, detail", [
@@ -263,6 +264,13 @@ def _session_processes(sid: int) -> list[int]:
     return [pid for pid, fields, _ in _processes() if int(fields[3]) == sid]  # fields[3]: session id
 
 
+def _session_workers(sid: int) -> list[int]:
+    """The workers of the coordinator ``sid`` (a session leader): spawned, or forked by its
+    forkserver (whose own parent is the coordinator)."""
+    return [pid for pid, fields, cmdline in _processes() if int(fields[3]) == sid and (
+        b"spawn_main" in cmdline or (b"multiprocessing.forkserver" in cmdline and int(fields[1]) != sid))]
+
+
 def test_ctrl_c_stops_every_worker():
     import subprocess
     import sys
@@ -273,9 +281,9 @@ def test_ctrl_c_stops_every_worker():
                             start_new_session=True)
     try:
         deadline = time.monotonic() + 60
-        while len(_session_processes(proc.pid)) < 3 and time.monotonic() < deadline:
-            time.sleep(0.2)  # the coordinator and its two workers (and the resource tracker)
-        assert len(_session_processes(proc.pid)) >= 3, "workers did not start"
+        while len(_session_workers(proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(_session_workers(proc.pid)) == 2, "workers did not start"
         time.sleep(2.0)  # let them train
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
         output = proc.communicate(timeout=30)[0]

@@ -185,3 +185,29 @@ def test_the_epoch_decision_is_awaited_even_after_a_stop_in_the_epochs_last_roun
         dist.destroy_process_group()
     assert report.interrupted and [s.completed for s in report.summaries] == [True]
     assert asked == [0]
+
+
+def _loss_reading_the_environment(outputs, labels):
+    """Fails in a worker that does not have the coordinator's variables of this fit."""
+    if os.environ.get("DL4PY_TEST_POOL_MARKER") != "set after the first pool":
+        raise RuntimeError("the worker does not see DL4PY_TEST_POOL_MARKER")
+    return torch.nn.functional.cross_entropy(outputs, labels)
+
+
+def test_workers_get_the_coordinators_environment_as_it_is_when_they_start(monkeypatch):
+    """On Linux workers are forked from a forkserver started with the first pool: they must
+    still see the variables set since, as spawned workers would."""
+    from dl4py import TorchModel
+
+    x, y = toy(64)
+    ParallelWrapper(MultiLayerNetwork(mlp(), backend="cpu"), workers=2).fit(
+        ArrayDataSetIterator(x, y, batch_size=BATCH), epochs=1)  # the forkserver runs from here on
+    monkeypatch.setenv("DL4PY_TEST_POOL_MARKER", "set after the first pool")
+    model = TorchModel(torch.nn.Linear(5, 3), loss=_loss_reading_the_environment,
+                       optimizer=_sgd, backend="cpu")
+    ParallelWrapper(model, workers=2).fit(ArrayDataSetIterator(x, y, batch_size=BATCH), epochs=1)
+    assert model.iteration_count == 4
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1)

@@ -43,20 +43,40 @@ def set_parent_death_signal(sig: int) -> bool:
         return False
 
 
-def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL, poll: float = POLL_SECONDS) -> None:
-    """Make this process end when ``parent_pid`` does (call it first thing in the child)."""
+def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL, poll: float = POLL_SECONDS,
+                    watch_also: int | None = None) -> None:
+    """Make this process end when ``parent_pid`` does (call it first thing in the child), and
+    when ``watch_also`` does: a grandparent that started this process through a server."""
     set_parent_death_signal(sig)
-    if os.getppid() != parent_pid:  # the parent died before the request above
-        os._exit(ORPHANED_EXIT_CODE)
-    threading.Thread(target=_watch, args=(parent_pid, poll), name="dl4py-parent-watchdog", daemon=True).start()
+    if os.getppid() != parent_pid or (watch_also is not None and not _exists(watch_also)):
+        os._exit(ORPHANED_EXIT_CODE)  # gone before the request above
+    threading.Thread(target=_watch, args=(parent_pid, poll, watch_also), name="dl4py-parent-watchdog",
+                     daemon=True).start()
 
 
-def _watch(parent_pid: int, poll: float) -> None:
+def _watch(parent_pid: int, poll: float, watch_also: int | None) -> None:
     # An orphan is re-parented (to init or a subreaper), so a changed parent id means the
     # parent is gone. os._exit: no clean-up handler of the dying run may write anything.
-    while os.getppid() == parent_pid:
+    while os.getppid() == parent_pid and (watch_also is None or _exists(watch_also)):
         time.sleep(poll)
     os._exit(ORPHANED_EXIT_CODE)
+
+
+def _exists(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie, dead but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc here: ask the kernel instead
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
 
 def command_dying_with_parent(argv: list[str], sig: int = signal.SIGTERM) -> list[str]:

@@ -15,6 +15,7 @@ workers that ignore its SIGTERM).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import multiprocessing.util
@@ -24,8 +25,6 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch.multiprocessing as mp
 
 from dl4py.errors import TrainingError, WorkerError
 from dl4py.parallel.messages import Done, Failed, Job, Ready
@@ -38,6 +37,7 @@ from dl4py.parallel.processes import (
     is_lost_peer,
     received,
     stop_all,
+    worker_context,
 )
 from dl4py.parallel.rank import RankReport
 from dl4py.parallel.sources import deal_batches
@@ -117,7 +117,7 @@ class WorkerPool:
         self._start(layout, log_level)
 
     def _start(self, layout: PoolLayout, log_level: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx, forker = worker_context()
         folder = tempfile.TemporaryDirectory(prefix="dl4py-pool-")
         channels = _Channels(
             messages=ctx.Queue(), jobs=[ctx.Queue() for _ in range(layout.world)],
@@ -127,14 +127,19 @@ class WorkerPool:
         procs = [
             ctx.Process(target=spawned_worker_main, name=f"dl4py-worker-{rank}", daemon=True,
                         args=(rank, layout.world, layout.devices[rank % len(layout.devices)], init_method,
-                              layout.backend, layout.timeout, channels.of(rank), os.getpid(), log_level))
+                              layout.backend, layout.timeout, channels.of(rank), os.getpid(), forker, log_level,
+                              dict(os.environ)))
             for rank in range(layout.world)
         ]
         self.layout, self._procs, self._channels, self._ready, self._folder = layout, procs, channels, set(), folder
         self._at_exit = multiprocessing.util.Finalize(self, _shut_down, args=(procs, channels, folder, GRACE_SECONDS),
                                                       exitpriority=EXIT_PRIORITY)
         try:
-            with children_ignore_stop_signals():
+            # Forked workers are born ignoring stop signals, as their forkserver does; spawned
+            # ones inherit this process's handlers. Not held over a forkserver's first start
+            # (seconds of imports): a Ctrl-C then must reach this process, not be ignored.
+            spawned = ctx.get_start_method() == "spawn"
+            with children_ignore_stop_signals() if spawned else contextlib.nullcontext():
                 for proc in procs:
                     proc.start()
         except BaseException:

@@ -46,9 +46,17 @@ class WorkerChannels:
 
 
 def spawned_worker_main(rank: int, world: int, device: str, init_method: str, backend: str, timeout: float,
-                        channels: WorkerChannels, parent_pid: int, log_level: int) -> None:
-    """Entry point of a process of the ParallelWrapper's pool."""
-    die_with_parent(parent_pid)  # a killed coordinator leaves no worker training on
+                        channels: WorkerChannels, coordinator_pid: int, forker_pid: int, log_level: int,
+                        environment: dict) -> None:
+    """Entry point of a process of the ParallelWrapper's pool. ``forker_pid`` is its parent
+    (the coordinator, or the forkserver that ends with it: ``processes.worker_context``);
+    ``environment`` the coordinator's variables now, which a forked worker did not inherit."""
+    # A killed coordinator leaves no worker training on: its forkserver's death signals us,
+    # and the coordinator is watched too, in case the forkserver outlives it.
+    die_with_parent(forker_pid, watch_also=coordinator_pid)
+    if os.environ != environment:  # before anything reads them (CUDA_VISIBLE_DEVICES at CUDA's start)
+        os.environ.clear()
+        os.environ.update(environment)
     relay_logs(channels.messages, rank, log_level)  # shown by the coordinator's handlers, not on a shared terminal
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -5,11 +5,21 @@ a cause, and stopping them all, with nothing left behind and no Ctrl-C reaching 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
+import multiprocessing.forkserver
+import os
 import signal
+import sys
 import threading
 import time
 
+import torch.multiprocessing as mp
+
 GRACE_SECONDS = 3.0
+# What a worker imports before its first step, loaded once into the process the workers are
+# forked from: torch, dl4py's worker, and torch._dynamo (torch.optim imports it when the first
+# optimizer is made). A spawned worker spent seconds on these at every pool start.
+WORKER_PRELOAD = ["dl4py.parallel.pool_worker", "torch._dynamo"]
 # Signs in a worker's traceback that it failed only because a peer went away.
 LOST_PEER_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
                    "DistNetworkError", "NCCL communicator was aborted", "Socket Timeout")
@@ -88,3 +98,24 @@ def exit_description(exitcode: int, starting: bool = False) -> str:
         return (f"{how} while starting, before it ran any of dl4py's code: its own error is printed above (a "
                 'script that trains at its top level needs `if __name__ == "__main__":` around that code)')
     return how if exitcode < 0 else f"{how} without reporting an error"
+
+
+def worker_context():
+    """``(context, forker_pid)``: how workers are started, and the process they are forked
+    from (it is their parent). On Linux a forkserver that has imported what a worker needs
+    (``WORKER_PRELOAD``), started once per coordinator: a fresh worker is a fork of it, ready
+    in a fraction of a second. Each worker still imports the main script (as a spawned one
+    does), so a script that reaches ``fit`` from its top level is caught the same way. The
+    forkserver ignores stop signals, as workers do, and ends when the coordinator does.
+    Elsewhere, or with ``DL4PY_WORKER_START=spawn``: spawn, the coordinator as the parent."""
+    if not sys.platform.startswith("linux") or os.environ.get("DL4PY_WORKER_START", "").lower() == "spawn":
+        return mp.get_context("spawn"), os.getpid()
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(WORKER_PRELOAD)
+    with children_ignore_stop_signals():
+        multiprocessing.forkserver.ensure_running()
+    forker = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+    if forker is None:  # a Python that keeps it elsewhere: the workers' parent is unknown, so spawn
+        return mp.get_context("spawn"), os.getpid()
+    return ctx, forker
+
