@@ -65,7 +65,7 @@ from dl4py.config.layers_extra import (
     ZeroPaddingLayer,
 )
 from dl4py.data.sequences import SequenceDataSetIterator
-from dl4py.errors import BackendError, ConfigError, DataError, DL4PyError, TrainingError
+from dl4py.errors import BackendError, ConfigError, DataError, DL4PyError, InferenceError, TrainingError
 from dl4py.eval import ROC, Evaluation, RegressionEvaluation, ROCMultiClass
 from dl4py.nn import ComputationGraph, FineTuneConfiguration, MultiLayerNetwork, TorchModel, TransferLearning, load
 from dl4py.config.graph import (
@@ -77,6 +77,7 @@ from dl4py.config.graph import (
     SubsetVertex,
 )
 from dl4py.train import TrainingInterrupted
+from dl4py.inference import ParallelInference
 
 __all__ = [
     "ComputationGraph", "ComputationGraphConfiguration", "ElementWiseVertex", "GraphConfig", "MergeVertex",
@@ -93,4 +94,5 @@ __all__ = [
     "SequenceDataSetIterator",
     "Convolution1DLayer", "Deconvolution2D", "LayerNormalization", "SelfAttentionLayer",
     "Subsampling1DLayer", "Upsampling2D", "ZeroPaddingLayer",
+    "InferenceError", "ParallelInference",
 ]

@@ -17,6 +17,8 @@
     dl4py bench [overhead|throughput|time-to-accuracy|all] [--device auto|cpu|gpu] [--quick]
     dl4py ui RUN_DIR... | SWEEP_DIR [--host 127.0.0.1] [--port 9000]
     dl4py report RUN_DIR | SWEEP_DIR [--output FILE]
+    dl4py predict RUN_DIR|MODEL INPUT [--output FILE] [--format csv|json] [--proba]
+    dl4py export RUN_DIR|MODEL [--format onnx|torchscript|safetensors] [--output FILE]
 
 Flags are shorthands for ``--set`` on the same keys, so every value is type-checked by
 the config schema. Errors print one line naming the key, layer or file at fault
@@ -119,6 +121,29 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("path", type=Path, metavar="RUN_DIR", help="a run directory or a sweep folder")
     report.add_argument("--output", type=Path, help="the HTML file (default: report.html in RUN_DIR)")
 
+    predict = sub.add_parser("predict", help="predictions of a saved model for a CSV file, a .npy array or an image folder")
+    predict.add_argument("model", type=Path, help="a model file, or a run directory")
+    predict.add_argument("input", type=Path, help="a CSV file (features, or features and a label column), "
+                                                  "a .npy array [n, ...], or a folder of images")
+    predict.add_argument("--output", type=Path, help="write here (default: print)")
+    predict.add_argument("--format", choices=["csv", "json"],
+                         help="default: json for an --output ending in .json, else csv")
+    predict.add_argument("--proba", action="store_true", help="class probabilities instead of class indices")
+    predict.add_argument("--label-index", type=int, default=-1,
+                         help="a CSV with one column more than the features: the label column to drop (default: last)")
+    predict.add_argument("--skip-lines", type=int, default=0, help="CSV lines to skip first (a header)")
+    predict.add_argument("--delimiter", default=",", help="CSV delimiter")
+    predict.add_argument("--batch-size", type=int, default=1024)
+    predict.add_argument("--backend", choices=["auto", "cpu", "gpu"])
+
+    export = sub.add_parser("export", help="a saved model as ONNX, TorchScript or a weights-only model file")
+    export.add_argument("model", type=Path, help="a model file, or a run directory")
+    export.add_argument("--format", default="onnx", choices=["onnx", "torchscript", "safetensors"],
+                        help="onnx (needs dl4py[export]), torchscript, or safetensors: a dl4py model file "
+                             "without updater state, for inference (default onnx)")
+    export.add_argument("--output", type=Path, help="default: beside the model, model.onnx, model.pt or "
+                                                    "model.weights.dl4py")
+
     bench = sub.add_parser("bench", help="speed benchmarks (from a source checkout): JSON + markdown in benchmarks/results")
     bench.add_argument("which", nargs="?", default="all", choices=["overhead", "throughput", "time-to-accuracy", "all"])
     bench.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"])
@@ -176,7 +201,8 @@ def _main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     debug = args.debug or os.environ.get("DL4PY_DEBUG", "") not in ("", "0")
     commands = {"train": _train, "evaluate": _evaluate, "summary": _summary, "info": _info,
-                "sweep": _sweep, "memory": _memory, "bench": _bench, "ui": _ui, "report": _report}
+                "sweep": _sweep, "memory": _memory, "bench": _bench, "ui": _ui, "report": _report,
+                "predict": _predict, "export": _export}
     # A problem with the user's input or machine is one line; a bug of dl4py's own keeps
     # its traceback. --debug (or DL4PY_DEBUG=1) shows the traceback of everything.
     # SIGTERM outside a fit (reading data, evaluating) stops as Ctrl-C does; a fit defers
@@ -397,6 +423,53 @@ def _report(args) -> int:
     from dl4py.monitor.report import write_report
 
     print(write_report(args.path, args.output))
+    return 0
+
+
+def _saved_model(path: Path) -> Path:
+    """A model file, or a run directory's model."""
+    from dl4py.runner import MODEL
+
+    return path / MODEL if path.is_dir() else path
+
+
+def _predict(args) -> int:
+    from dl4py.errors import ConfigError
+    from dl4py.export.predict_files import format_predictions, predictions, read_input
+    from dl4py.export.wrapper import example_shape
+    from dl4py.io import atomic_write_bytes
+    from dl4py.nn import load
+
+    if args.batch_size < 1:
+        raise ConfigError("--batch-size", f"must be at least 1, got {args.batch_size}")
+    model = load(_saved_model(args.model), backend=args.backend)
+    data = read_input(args.input, example_shape(model), model.config.input_type, label_index=args.label_index,
+                      skip_lines=args.skip_lines, delimiter=args.delimiter)
+    values, kind = predictions(model, data.features, args.proba, args.input, batch_size=args.batch_size)
+    fmt = args.format or ("json" if args.output is not None and args.output.suffix.lower() == ".json" else "csv")
+    text = format_predictions(values, kind, fmt, data.names)
+    if args.output is None:
+        sys.stdout.write(text)
+    else:
+        atomic_write_bytes(args.output, text.encode("utf-8"))
+        print(f"{len(values)} predictions written to {args.output}", file=sys.stderr)
+    return 0
+
+
+def _export(args) -> int:
+    from dl4py.errors import DataError
+    from dl4py.export import default_path, export
+    from dl4py.nn import load
+
+    model_path = _saved_model(args.model)
+    # ONNX and TorchScript files compute in float32 whatever the training precision (the
+    # float32 master weights are read where the file has them); the weights-only file keeps it.
+    model = load(model_path, backend="cpu", precision=None if args.format == "safetensors" else "float")
+    output = args.output or default_path(model_path, args.format)
+    if output.resolve() == model_path.resolve():
+        raise DataError(f"{output}: is the model file itself; give another --output")
+    export(model, output, args.format)
+    print(output)
     return 0
 
 

@@ -82,3 +82,8 @@ class MissingDependencyError(DL4PyError, ImportError):
 
     def __reduce__(self):
         return type(self), (self.what, self.package, self.extra)
+
+
+class InferenceError(DL4PyError):
+    """ParallelInference cannot take or answer a request: its queue stayed full for longer
+    than its ``queue_timeout``, or it was closed."""

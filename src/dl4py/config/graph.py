@@ -21,14 +21,13 @@ a vertex nothing reads, or shapes that do not fit is a ``ConfigError`` naming th
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional
 
 from dl4py.config.frozen import unfrozen
 from dl4py.config.input_type import InputType, Recurrent
 from dl4py.config.layers import Activation, GradientNormalization, Layer, OutputLayer, Shape, WeightInit
+from dl4py.config.network import NetworkText
 from dl4py.config.schema import ConfigBase, TaggedConfig, dataclass_from_dict, join
 from dl4py.config.updaters import AdamW, Sgd, Updater
 from dl4py.errors import ConfigError
@@ -215,7 +214,7 @@ class VertexShapes:
 
 
 @dataclass(frozen=True)
-class GraphConfig(ConfigBase):
+class GraphConfig(NetworkText, ConfigBase):
     inputs: dict[str, InputType]
     vertices: dict[str, GraphNode]
     outputs: tuple[str, ...]
@@ -229,33 +228,10 @@ class GraphConfig(ConfigBase):
 
     config_path: ClassVar[str] = "network"
 
-    # ---- conversion (as NetworkConfig) --------------------------------------------------
+    # ---- conversion (to_json, from_yaml, ... as NetworkConfig's) ---------------------------
     @classmethod
     def from_dict(cls, data: Any, where: str = "network") -> "GraphConfig":
         return dataclass_from_dict(cls, data, where)
-
-    def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent)
-
-    @classmethod
-    def from_json(cls, text: str) -> "GraphConfig":
-        from dl4py.config.yaml_loader import load_json
-
-        return cls.from_dict(load_json(text))
-
-    def to_yaml(self) -> str:
-        import yaml
-
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-    @classmethod
-    def from_yaml(cls, text: str) -> "GraphConfig":
-        from dl4py.config.yaml_loader import load_yaml
-
-        return cls.from_dict(load_yaml(text))
-
-    def replace(self, **changes) -> "GraphConfig":
-        return dataclasses.replace(self, **changes)
 
     # ---- what the rest of dl4py reads -----------------------------------------------------
     @property

@@ -39,8 +39,36 @@ class LayerShapes:
     output: Shape
 
 
+class NetworkText:
+    """JSON and YAML text of a network config (NetworkConfig, GraphConfig), read back by its
+    ``from_dict``."""
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str):
+        from dl4py.config.yaml_loader import load_json
+
+        return cls.from_dict(load_json(text))
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, text: str):
+        from dl4py.config.yaml_loader import load_yaml
+
+        return cls.from_dict(load_yaml(text))
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+
 @dataclass(frozen=True)
-class NetworkConfig(ConfigBase):
+class NetworkConfig(NetworkText, ConfigBase):
     layers: tuple[Layer, ...] = ()
     input_type: InputType | None = None
     seed: int = 12345
@@ -66,26 +94,6 @@ class NetworkConfig(ConfigBase):
                 "(e.g. {type: convolutional_flat, height: 28, width: 28, channels: 1})",
             )
         return dataclass_from_dict(cls, data, where)
-
-    def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent)
-
-    @classmethod
-    def from_json(cls, text: str) -> "NetworkConfig":
-        from dl4py.config.yaml_loader import load_json
-
-        return cls.from_dict(load_json(text))
-
-    def to_yaml(self) -> str:
-        import yaml
-
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-    @classmethod
-    def from_yaml(cls, text: str) -> "NetworkConfig":
-        from dl4py.config.yaml_loader import load_yaml
-
-        return cls.from_dict(load_yaml(text))
 
     @staticmethod
     def builder() -> "NetworkConfigBuilder":
@@ -139,9 +147,6 @@ class NetworkConfig(ConfigBase):
             shapes.append(LayerShapes(i, layer, current, out))
             current = out
         return shapes
-
-    def replace(self, **changes) -> "NetworkConfig":
-        return dataclasses.replace(self, **changes)
 
 
 def _check_threshold(threshold: float | None, where: str) -> None:

@@ -313,7 +313,8 @@ class Model:
         its labels, or a DataFrame's ``label`` column, are left out), on the model's device."""
         self.init()
         if not isinstance(features, (torch.Tensor, np.ndarray)):
-            features = torch.cat([b.features for b in as_iterator(features, batch_size, label=label, labelled=False)])
+            # Read as the data comes (an iterator has its own batches); batch_size is the forward's.
+            features = torch.cat([b.features for b in as_iterator(features, None, label=label, labelled=False)])
         x = _as_tensor(features, "features")
         self.check_features(x, "output(features)")
         self.set_mask(None)  # whole sequences: a training batch's mask must not apply
@@ -324,6 +325,22 @@ class Model:
                 with self.precision.forward_context(self.backend.device):
                     outs.append(self.activate(self.module(chunk)))
         return torch.cat(outs) if outs else torch.empty(0, device=self.backend.device)  # where outputs live
+
+    def predict(self, data, batch_size: int | None = None, *, label=None) -> np.ndarray:
+        """Predictions for ``data`` (anything ``fit`` takes; labels ignored) as numpy: a
+        classifier's class index per example (the highest output; a one-column output at 0.5),
+        a regressor's output values (regression loss: mse, l1, ...). The model's normalizer
+        applies. ``batch_size``: examples per forward pass (default 4096, or the data's own batches)."""
+        from dl4py.inference.predict import predict
+
+        return predict(self, data, batch_size, label)
+
+    def predict_proba(self, data, batch_size: int | None = None, *, label=None) -> np.ndarray:
+        """``output(data)`` as numpy: the output layer's activations (class probabilities
+        for a softmax output)."""
+        from dl4py.inference.predict import predict_proba
+
+        return predict_proba(self, data, batch_size, label)
 
     def evaluate(self, data, *, batch_size: int | None = None, label=None, features=None) -> "Evaluation":
         """Statistics over every batch of ``data``: a ``RegressionEvaluation`` when the output's

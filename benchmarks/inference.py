@@ -1,0 +1,138 @@
+"""Serving throughput and latency: ParallelInference batched and sequential against a plain loop.
+
+    python benchmarks/inference.py [--device auto|cpu|gpu] [--quick] [--requests 4000] [--clients 16]
+                                   [--workers 1] [--batch-limit 32]
+
+The seed's LeNet (examples/lenet_mnist.yaml) answers single-image requests (MNIST test
+images). Each contestant answers the same ``--requests`` requests:
+
+- ``model.output loop``: one thread calling ``model.output`` on one example at a time,
+  what a caller without ParallelInference writes;
+- ``ParallelInference batched`` / ``sequential`` / ``inplace``: ``--clients`` threads
+  (16 by default) share the requests, each sending its next as soon as the last is
+  answered, to a ParallelInference with ``--workers`` replicas.
+
+requests/s is requests over the wall time from the first request to the last answer;
+latency is each request's time from call to answer (p50, p99). Contestants run in turn,
+``--repeats`` rounds (A, B, C, D, A, ...); the figures are the median round's.
+Writes inference-<cpu|gpu>.json and .md to --out.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+
+import numpy as np
+
+from _common import device_of, heading, label, machine, parser, seed_lenet, sync, write
+from dl4py import MnistDataSetIterator, MultiLayerNetwork, ParallelInference
+
+LOOP = "model.output loop"
+
+
+def plain_loop(model, x, device):
+    """One thread, one example per ``model.output`` call."""
+    def run():
+        latencies = []
+        start = time.perf_counter()
+        for i in range(len(x)):
+            began = time.perf_counter()
+            model.output(x[i:i + 1])
+            sync(device)
+            latencies.append(time.perf_counter() - began)
+        return time.perf_counter() - start, latencies, None
+    return run
+
+
+def served(model, x, mode, clients, workers, batch_limit):
+    """``clients`` threads sharing the requests, against a fresh ParallelInference."""
+    def run():
+        latencies = [[] for _ in range(clients)]
+        with ParallelInference(model, workers=workers, inference_mode=mode, batch_limit=batch_limit,
+                               queue_limit=max(64, 2 * clients)) as inference:
+            inference.output(x[:1])  # the replicas' first pass outside the clock
+
+            def client(c):
+                for i in range(c, len(x), clients):
+                    began = time.perf_counter()
+                    inference.output(x[i:i + 1])
+                    latencies[c].append(time.perf_counter() - began)
+
+            threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+            start = time.perf_counter()
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            seconds = time.perf_counter() - start
+            stats = inference.stats()
+        return seconds, [s for per_client in latencies for s in per_client], stats["mean_batch_size"]
+    return run
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--requests", type=int, help="requests per contestant per round (default 4000; --quick 400)")
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--batch-limit", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    device = device_of(args.device)
+    requests = args.requests or (400 if args.quick else 4000)
+    repeats = 1 if args.quick else args.repeats
+
+    model = MultiLayerNetwork(seed_lenet(), backend="gpu" if device.type == "cuda" else "cpu").init()
+    x = MnistDataSetIterator(requests, train=False, shuffle=False, limit=requests).features
+    contestants = {LOOP: plain_loop(model, x, device)}
+    for mode in ("batched", "sequential", "inplace"):
+        contestants[f"ParallelInference {mode}"] = served(model, x, mode, args.clients, args.workers, args.batch_limit)
+
+    model.output(x[:64])  # warm-up: allocator, kernels
+    load_before = list(os.getloadavg())  # other work on the machine shows in the tails
+    rounds = {name: [] for name in contestants}
+    for _ in range(repeats):
+        for name, run in contestants.items():
+            rounds[name].append(run())
+
+    figures = {}
+    for name, runs in rounds.items():
+        seconds, latencies, batch = sorted(runs, key=lambda r: r[0])[len(runs) // 2]  # the median round
+        ms = np.asarray(latencies) * 1000
+        figures[name] = {
+            "requests_per_second": requests / seconds,
+            "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
+            "mean_batch_size": batch, "round_seconds": [r[0] for r in runs],
+        }
+    base = figures[LOOP]["requests_per_second"]
+    record = machine(device)
+    result = {
+        "benchmark": "inference", **record, "quick": args.quick, "model": "seed LeNet (examples/lenet_mnist.yaml)",
+        "requests": requests, "clients": args.clients, "workers": args.workers, "batch_limit": args.batch_limit,
+        "repeats": repeats, "load_average_before": load_before, "load_average_after": list(os.getloadavg()),
+        "results": figures,
+        "speedup_over_loop": {k: v["requests_per_second"] / base for k, v in figures.items()},
+        "median_round_seconds": {k: statistics.median(v["round_seconds"]) for k, v in figures.items()},
+    }
+    lines = heading(
+        f"Inference: seed LeNet, {requests} single-image requests, {args.clients} client threads, "
+        f"{args.workers} replica(s), batch_limit {args.batch_limit}, {label(device).upper()}", record, args.quick,
+    ) + [
+        "| contestant | requests/s | p50 latency (ms) | p99 latency (ms) | mean batch | requests/s / loop |",
+        "|---|---|---|---|---|---|",
+        *(f"| {k} | {v['requests_per_second']:,.0f} | {v['p50_ms']:.2f} | {v['p99_ms']:.2f} | "
+          f"{'-' if v['mean_batch_size'] is None else format(v['mean_batch_size'], '.1f')} | "
+          f"**{result['speedup_over_loop'][k]:.2f}** |" for k, v in figures.items()),
+        "",
+        f"The loop is one thread calling `model.output` per example; the others are {args.clients} threads "
+        f"sharing the requests. Median of {repeats} interleaved round(s); latency from call to answer. "
+        f"Load average (1 min) before and after: {load_before[0]:.2f}, {result['load_average_after'][0]:.2f}.",
+    ]
+    write(args.out, f"inference-{label(device)}", result, lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""ParallelInference: many threads asking one model for predictions (DL4J's class of that name).
+
+Replicas of the model (``workers`` of them, over ``devices``) answer requests. Threads,
+not processes: a forward pass spends its time in torch kernels, which release the GIL.
+
+- ``"batched"`` (DL4J's ``InferenceMode.BATCHED``): requests wait in a bounded queue; a
+  replica's thread takes the oldest and merges those queued behind it, up to
+  ``batch_limit`` examples, into one forward pass, then hands each caller its rows.
+- ``"sequential"`` (``SEQUENTIAL``): the same queue, one request per forward pass.
+- ``"inplace"`` (``INPLACE``): no queue; the caller's own thread runs a free replica.
+
+Each request is checked (``model.check_features``) before it is queued, so a malformed one
+fails alone, in its caller, and never reaches a batch it would spoil.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import Counter
+
+import numpy as np
+import torch
+
+from dl4py.errors import ConfigError, DataError, InferenceError
+from dl4py.inference.replicas import make_replicas
+from dl4py.inference.requests import ReplicaPool, Request, RequestQueue
+
+MODES = ("batched", "sequential", "inplace")
+# How long close() waits for a replica's thread to finish the forward pass it is in.
+JOIN_SECONDS = 60.0
+
+
+class ParallelInference:
+    """Thread-safe ``output`` over replicas of ``model``. Example::
+
+        with ParallelInference(model, workers=2, batch_limit=64) as inference:
+            probabilities = inference.output(features)   # from any number of threads
+
+    ``output(x)`` returns what ``model.output(x)`` returns. The replicas are copies of the
+    model as it is when this is made; a model trained further needs a new ParallelInference.
+    ``queue_timeout``: seconds a caller waits for room in a full queue (for a free replica
+    in the inplace mode) before an InferenceError; None waits until there is room, 0 never.
+    """
+
+    def __init__(self, model, workers: int = 1, devices=None, inference_mode: str = "batched",
+                 batch_limit: int = 32, queue_limit: int = 64, queue_timeout: float | None = None):
+        if inference_mode not in MODES:
+            raise ConfigError("inference_mode", f"must be one of {', '.join(MODES)}; got {inference_mode!r}")
+        for name, value in (("batch_limit", batch_limit), ("queue_limit", queue_limit)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(name, f"must be a whole number >= 1, got {value!r}")
+        if queue_timeout is not None and (isinstance(queue_timeout, bool) or not isinstance(queue_timeout, (int, float))
+                                          or queue_timeout < 0):
+            raise ConfigError("queue_timeout", f"must be seconds >= 0 or None, got {queue_timeout!r}")
+        self.model = model
+        self.inference_mode = inference_mode
+        self.batch_limit = batch_limit if inference_mode == "batched" else 1
+        self.queue_limit, self.queue_timeout = queue_limit, queue_timeout
+        self.replicas = make_replicas(model, workers, devices)
+        self._stats = _Stats()
+        self._closed = False
+        if inference_mode == "inplace":
+            self._pool, self._queue, self._threads = ReplicaPool(self.replicas), None, []
+        else:
+            self._pool, self._queue = None, RequestQueue(queue_limit)
+            # The threads hold the queue, a replica and the counters, never self: a
+            # ParallelInference dropped without close() is collected, and its finalizer stops them.
+            self._threads = [threading.Thread(target=_serve, args=(self._queue, replica, self.batch_limit, self._stats),
+                                              name=f"dl4py-inference-{replica.index}", daemon=True)
+                             for replica in self.replicas]
+            for thread in self._threads:
+                thread.start()
+        self._finalizer = weakref.finalize(self, _shut_down, self._queue, self._pool, self._threads)
+
+    @property
+    def workers(self) -> int:
+        return len(self.replicas)
+
+    def output(self, features) -> torch.Tensor:
+        """Predictions for ``features`` (``[n, ...]``, numpy or tensor, or any data ``output``
+        takes); safe to call from many threads at once. DataError for features that do not
+        fit the network; InferenceError when the queue stays full or this is closed."""
+        if self._closed:
+            raise InferenceError("ParallelInference is closed: it takes no more requests")
+        x = _features(self.model, features)
+        self.model.check_features(x, "ParallelInference.output(features)")
+        if x.shape[0] == 0:  # what Model.output gives for no examples
+            return torch.empty(0, device=self.model.backend.device)
+        if self._pool is not None:
+            predictions = self._inplace(x)
+        else:
+            request = Request(x)
+            self._queue.put(request, self.queue_timeout)
+            predictions = request.future.result()
+        return _as_model_returns(self.model, predictions)
+
+    def _inplace(self, x: torch.Tensor) -> torch.Tensor:
+        replica = self._pool.borrow(self.queue_timeout)
+        try:
+            predictions = replica.predict(x)
+        finally:
+            self._pool.give_back(replica)
+        self._stats.ran([x.shape[0]])
+        return predictions
+
+    def stats(self) -> dict:
+        """What ran so far: ``requests``, ``examples``, ``forward_passes``, ``mean_batch_size``
+        (examples per forward pass), ``max_batch_size``, ``batch_sizes`` ({examples: passes})
+        and ``failed`` (requests answered with an error by a replica)."""
+        return self._stats.snapshot()
+
+    def close(self) -> None:
+        """Take no more requests; those still queued get an InferenceError; wait for the
+        forward passes under way to finish. Idempotent."""
+        self._closed = True
+        self._finalizer()
+
+    def __enter__(self) -> "ParallelInference":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"ParallelInference({type(self.model).__name__}, workers={self.workers}, "
+                f"inference_mode={self.inference_mode!r}, batch_limit={self.batch_limit}, "
+                f"queue_limit={self.queue_limit}{', closed' if self._closed else ''})")
+
+
+def _serve(queue: RequestQueue, replica, batch_limit: int, stats: "_Stats") -> None:
+    """A replica's thread: take requests (merged up to ``batch_limit`` examples), answer them."""
+    while True:
+        requests = queue.take(batch_limit)
+        if requests is None:
+            return
+        requests = [r for r in requests if r.future.set_running_or_notify_cancel()]
+        if requests:
+            _answer(replica, requests, stats)
+
+
+def _answer(replica, requests: list[Request], stats: "_Stats") -> None:
+    features = requests[0].features if len(requests) == 1 else torch.cat([r.features for r in requests])
+    try:
+        predictions = replica.predict(features)
+    except BaseException as error:  # noqa: BLE001 - the callers get it; the thread serves on
+        if len(requests) > 1:
+            # Checked requests should not fail; if one does, run each alone, so only it fails.
+            for request in requests:
+                _answer(replica, [request], stats)
+            return
+        stats.failed_one()
+        requests[0].future.set_exception(error)
+        return
+    stats.ran([r.size for r in requests])
+    start = 0
+    for request in requests:
+        request.future.set_result(predictions[start:start + request.size])
+        start += request.size
+
+
+def _shut_down(queue, pool, threads) -> None:
+    if pool is not None:
+        pool.close()
+    if queue is not None:
+        queue.close()
+    for thread in threads:
+        if thread is not threading.current_thread():
+            thread.join(JOIN_SECONDS)
+
+
+def _features(model, features) -> torch.Tensor:
+    """``features`` as one tensor, as ``Model.output`` reads them."""
+    from dl4py.nn.model import _as_tensor, as_iterator
+
+    config = getattr(model, "config", None)
+    if isinstance(features, (list, tuple)) and hasattr(model, "pack_inputs") and len(getattr(config, "inputs", ())) > 1:
+        features = model.pack_inputs(*features)  # a graph's several inputs
+    if not isinstance(features, (torch.Tensor, np.ndarray)):
+        batches = [b.features for b in as_iterator(features, None, labelled=False)]
+        if not batches:
+            raise DataError("ParallelInference.output(features): the data holds no examples")
+        features = torch.cat(batches)
+    return _as_tensor(features, "ParallelInference.output(features)")
+
+
+def _as_model_returns(model, predictions: torch.Tensor):
+    """A graph with several outputs returns one tensor per output, as its ``output`` does."""
+    outputs = getattr(model, "config", None)
+    layers = outputs.output_layers() if hasattr(outputs, "output_layers") else None
+    if layers is None or len(layers) == 1:
+        return predictions
+    return list(torch.split(predictions, [layer.n_out for layer in layers], dim=1))
+
+
+class _Stats:
+    """Forward passes and their sizes, counted under a lock (replica threads add to them)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._sizes: Counter[int] = Counter()
+        self._requests = 0
+        self._failed = 0
+
+    def ran(self, request_sizes: list[int]) -> None:
+        with self._lock:
+            self._sizes[sum(request_sizes)] += 1
+            self._requests += len(request_sizes)
+
+    def failed_one(self) -> None:
+        with self._lock:
+            self._failed += 1
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            passes = sum(self._sizes.values())
+            examples = sum(size * count for size, count in self._sizes.items())
+            return {
+                "requests": self._requests,
+                "examples": examples,
+                "forward_passes": passes,
+                "mean_batch_size": examples / passes if passes else 0.0,
+                "max_batch_size": max(self._sizes, default=0),
+                "batch_sizes": dict(sorted(self._sizes.items())),
+                "failed": self._failed,
+            }
