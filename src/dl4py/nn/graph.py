@@ -21,7 +21,7 @@ from torch import nn
 from dl4py.backend import Backend, Precision
 from dl4py.backend.cuda_environment import environment
 from dl4py.config.frozen import is_frozen, unfrozen
-from dl4py.config.graph import GraphConfig
+from dl4py.config.graph import GraphConfig, example_shape
 from dl4py.config.layers import Shape
 from dl4py.config.recurrent import RnnOutputLayer
 from dl4py.errors import ConfigError, DataError
@@ -30,6 +30,7 @@ from dl4py.nn.model import Model, _as_tensor
 from dl4py.nn.network import check_data_for, check_features_for, check_labels_for
 from dl4py.nn.optimizers import make_optimizer, optimizer_kernel, param_groups
 from dl4py.nn.recurrent import RnnOutputLoss, SequenceMask
+from dl4py.nn.summary import ruled_table
 
 
 class GraphModule(nn.Module):
@@ -177,12 +178,9 @@ class ComputationGraph(Model):
         self._outputs = config.output_layers()
         self._losses = [RnnOutputLoss(layer, self._masks) if isinstance(layer, RnnOutputLayer) else OutputLoss(layer)
                         for layer in self._outputs]
+        example_shape(config)  # several inputs share a row: a ConfigError unless each has a fixed size
         shapes = config.input_shapes()
         self._input_sizes = [_flat_size(shapes[name]) for name in config.inputs]
-        if len(shapes) > 1 and None in self._input_sizes:
-            name = list(config.inputs)[self._input_sizes.index(None)]
-            raise ConfigError(f"network.inputs.{name}", "several inputs travel side by side in one row per "
-                                                        "example, so each needs a fixed size: give its length")
 
     def _build(self, device: torch.device, dtype: torch.dtype):
         generator = torch.Generator().manual_seed(self.config.seed)
@@ -345,12 +343,8 @@ def graph_summary_table(config: GraphConfig, module: GraphModule | None = None) 
         elif kind == "elementwise":
             kind = f"elementwise {node.vertex.op}"
         rows.append((str(vertex.index), vertex.name, kind, ", ".join(node.inputs), str(vertex.output), f"{count:,}"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.rjust(w) if i in (0, 5) else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths)))
-             for r in rows]
-    rule = "-" * len(lines[0])
     inputs = ", ".join(f"{name} {shape}" for name, shape in config.input_shapes().items())
-    return "\n".join([f"inputs: {inputs}", lines[0], rule, *lines[1:], rule, f"Total parameters: {total:,}"]), total
+    return f"inputs: {inputs}\n{ruled_table(rows, total)}", total
 
 
 __all__ = ["ComputationGraph", "GraphModule", "build_graph_module", "graph_summary_table"]

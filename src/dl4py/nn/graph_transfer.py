@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from dl4py.config.frozen import FrozenLayer, unfrozen
 from dl4py.config.graph import GraphConfig, GraphNode, GraphVertex
 from dl4py.config.layers import Layer, WeightInit
 from dl4py.config.schema import join
 from dl4py.errors import ConfigError
+from dl4py.nn.transfer import _copy_kept
 
 _HERE = "TransferLearning.GraphBuilder"
 
@@ -121,7 +120,8 @@ class GraphTransferLearning:
         config = self._config()
         source = self._source
         graph = ComputationGraph(config, backend=source.backend, precision=source.precision).init()
-        _copy_kept(source, graph, [n for n in config.layer_names if n in source.config.vertices and n not in self._fresh])
+        kept = [n for n in config.layer_names if n in source.config.vertices and n not in self._fresh]
+        _copy_kept(source, graph, kept, layer_of=lambda root, name: root.vertices[name])
         graph.set_normalizer(source.normalizer)
         return graph
 
@@ -165,18 +165,3 @@ def _ancestors(vertices: dict[str, GraphNode], names) -> set[str]:
         pending.extend(vertices[name].inputs)
     return found
 
-
-@torch.no_grad()
-def _copy_kept(source, target, kept: list[str]) -> None:
-    """Parameters and buffers of the kept layer vertices, by name, where they still fit."""
-    source_root = source.master.master_module if source.master is not None else source.module
-    target_root = target.master.master_module if target.master is not None else target.module
-    for name in kept:
-        state, fresh = source_root.vertices[name].state_dict(), target_root.vertices[name].state_dict()
-        if state.keys() == fresh.keys() and all(value.shape == fresh[key].shape for key, value in state.items()):
-            target_root.vertices[name].load_state_dict(state)
-            if target.master is not None:  # the 16-bit buffers (running statistics) as well
-                for key, buffer in source.module.vertices[name].named_buffers():
-                    target.module.vertices[name].get_buffer(key).copy_(buffer)
-    if target.master is not None:
-        target.master.master_to_module()

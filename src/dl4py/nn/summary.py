@@ -24,13 +24,17 @@ def summary_table(config: NetworkConfig, module: torch.nn.Sequential | None = No
         if is_frozen(shapes.layer):
             name = f"{unfrozen(shapes.layer).type_name} (frozen)"
         rows.append((str(shapes.index), name, str(shapes.input), str(shapes.output), f"{count:,}"))
+    return ruled_table(rows, total), total
+
+
+def ruled_table(rows: list[tuple[str, ...]], total: int) -> str:
+    """``rows`` (a header first) in aligned columns, the first and last right-aligned (the
+    index and the parameter count), between rules, then the total of parameters."""
+    last = len(rows[0]) - 1
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [
-        "  ".join(cell.rjust(w) if i in (0, 4) else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths)))
+        "  ".join(cell.rjust(w) if i in (0, last) else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths)))
         for r in rows
     ]
     rule = "-" * len(lines[0])
-    lines.insert(1, rule)
-    lines.append(rule)
-    lines.append(f"Total parameters: {total:,}")
-    return "\n".join(lines), total
+    return "\n".join([lines[0], rule, *lines[1:], rule, f"Total parameters: {total:,}"])

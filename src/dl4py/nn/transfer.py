@@ -193,21 +193,20 @@ TransferLearning.Builder = TransferLearning
 
 
 @torch.no_grad()
-def _copy_kept(source, target, kept: list[int]) -> None:
+def _copy_kept(source, target, kept: list, layer_of=lambda root, key: root[key]) -> None:
     """Parameters and buffers of the kept layers, bit for bit (float32 masters where the
-    precision keeps them). A kept layer whose input size changed (below it, n_out_replace)
-    cannot keep its weights and keeps its fresh ones."""
+    precision keeps them). ``kept`` holds layer indices, or vertex names with ``layer_of``
+    finding a vertex's module. A kept layer whose input size changed (below it,
+    n_out_replace) cannot keep its weights and keeps its fresh ones."""
     source_root = source.master.master_module if source.master is not None else source.module
     target_root = target.master.master_module if target.master is not None else target.module
-    for i in kept:
-        state = source_root[i].state_dict()
-        fits = state.keys() == target_root[i].state_dict().keys() and all(
-            value.shape == target_root[i].state_dict()[name].shape for name, value in state.items())
-        if fits:
-            target_root[i].load_state_dict(state)
+    for key in kept:
+        state, fresh = layer_of(source_root, key).state_dict(), layer_of(target_root, key).state_dict()
+        if state.keys() == fresh.keys() and all(value.shape == fresh[name].shape for name, value in state.items()):
+            layer_of(target_root, key).load_state_dict(state)
             if target.master is not None:  # the 16-bit buffers (running statistics) as well
-                for name, buffer in source.module[i].named_buffers():
-                    target.module[i].get_buffer(name).copy_(buffer)
+                for name, buffer in layer_of(source.module, key).named_buffers():
+                    layer_of(target.module, key).get_buffer(name).copy_(buffer)
     if target.master is not None:
         target.master.master_to_module()
 
