@@ -2,7 +2,7 @@
 
     dl4py train CONFIG.yaml [--epochs N] [--batch-size N] [--backend auto|cpu|gpu]
                             [--precision P] [--workers N] [--averaging-frequency K]
-                            [--training-mode averaging|shared_gradients] [--accumulate-batches K]
+                            [--training-mode averaging|shared_gradients|sharded] [--accumulate-batches K]
                             [--launcher spawn|torchrun|spark] [--spark-master URL]
                             [--output DIR] [--resume] [--set key=value ...]
                             [--verbose 0|1|2 | --no-progress]
@@ -10,6 +10,7 @@
     dl4py summary CONFIG
     dl4py info [--json]
     dl4py memory CONFIG.yaml [--batch-size N] [--precision P] [--inference]
+                             [--parallelism single|sharded --workers N]
                              [--device-memory 80GB | --device cuda:0|cpu] [--json]
     dl4py sweep CONFIG.yaml --grid key=v1,v2,... [--random N --range key=lo:hi[:log]]
                             [--devices all|cpu|0,1] [--per-device K] [--metric M]
@@ -19,6 +20,8 @@
     dl4py report RUN_DIR | SWEEP_DIR [--output FILE]
     dl4py predict RUN_DIR|MODEL INPUT [--output FILE] [--format csv|json] [--proba]
     dl4py export RUN_DIR|MODEL [--format onnx|torchscript|safetensors] [--output FILE]
+    dl4py serve RUN_DIR|MODEL [--host 127.0.0.1] [--port 8000] [--workers N] [--batch-limit N]
+                              [--queue-limit N] [--max-body-bytes N] [--inference-mode M]
 
 Flags are shorthands for ``--set`` on the same keys, so every value is type-checked by
 the config schema. Errors print one line naming the key, layer or file at fault
@@ -51,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--precision", help="training.precision (float, double, half, bfloat16, mixed-fp16, mixed-bf16)")
     train.add_argument("--workers", type=int, help="training.workers: > 1 trains data-parallel with a ParallelWrapper")
     train.add_argument("--averaging-frequency", type=int, help="training.averaging_frequency (rounds between averages)")
-    train.add_argument("--training-mode", help="training.training_mode: averaging or shared_gradients")
+    train.add_argument("--training-mode", help="training.training_mode: averaging, shared_gradients or sharded")
     train.add_argument("--accumulate-batches", type=int,
                        help="training.accumulate_batches: batches whose summed gradients make one update")
     train.add_argument("--launcher", choices=["spawn", "torchrun", "spark"],
@@ -93,6 +96,10 @@ def _parser() -> argparse.ArgumentParser:
     memory.add_argument("--device", help="cuda (default), cuda:N or cpu; with no --device-memory, "
                                          "its free memory is read when it is present")
     memory.add_argument("--inference", action="store_true", help="inference only: no gradients, no updater")
+    memory.add_argument("--parallelism", choices=["single", "sharded"], default="single",
+                        help="sharded: one rank's memory when --workers ranks train sharded (FSDP2), "
+                             "each on its own batch")
+    memory.add_argument("--workers", type=int, help="ranks a sharded step is split over (default: training.workers)")
     memory.add_argument("--json", action="store_true")
 
     sweep = sub.add_parser("sweep", help="run a grid (or random sample) of configs, several processes per device")
@@ -143,6 +150,23 @@ def _parser() -> argparse.ArgumentParser:
                              "without updater state, for inference (default onnx)")
     export.add_argument("--output", type=Path, help="default: beside the model, model.onnx, model.pt or "
                                                     "model.weights.dl4py")
+
+    serve = sub.add_parser("serve", help="an HTTP/JSON prediction server: POST /predict, GET /health, GET /metadata "
+                                         "(needs dl4py[serve])")
+    serve.add_argument("model", type=Path, help="a model file, or a run directory")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
+    serve.add_argument("--workers", type=int, default=1, help="model replicas answering requests (ParallelInference)")
+    serve.add_argument("--batch-limit", type=int, default=32, help="most examples merged into one forward pass")
+    serve.add_argument("--queue-limit", type=int, default=64,
+                       help="most requests answered at once; one more waits up to --queue-timeout, then gets 503")
+    serve.add_argument("--queue-timeout", type=float, default=10.0, help="seconds a request waits for a place (default 10)")
+    serve.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
+                       help="largest request body; a larger one gets 413 (default 8 MiB)")
+    serve.add_argument("--inference-mode", default="batched", choices=["batched", "sequential", "inplace"])
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="on SIGTERM/SIGINT, seconds to finish the requests received before giving up on them")
+    serve.add_argument("--backend", choices=["auto", "cpu", "gpu"])
 
     bench = sub.add_parser("bench", help="speed benchmarks (from a source checkout): JSON + markdown in benchmarks/results")
     bench.add_argument("which", nargs="?", default="all", choices=["overhead", "throughput", "time-to-accuracy", "all"])
@@ -202,7 +226,7 @@ def _main(argv: list[str]) -> int:
     debug = args.debug or os.environ.get("DL4PY_DEBUG", "") not in ("", "0")
     commands = {"train": _train, "evaluate": _evaluate, "summary": _summary, "info": _info,
                 "sweep": _sweep, "memory": _memory, "bench": _bench, "ui": _ui, "report": _report,
-                "predict": _predict, "export": _export}
+                "predict": _predict, "export": _export, "serve": _serve}
     # A problem with the user's input or machine is one line; a bug of dl4py's own keeps
     # its traceback. --debug (or DL4PY_DEBUG=1) shows the traceback of everything.
     # SIGTERM outside a fit (reading data, evaluating) stops as Ctrl-C does; a fit defers
@@ -343,6 +367,13 @@ def _memory(args) -> int:
         memory = None  # nothing to compare with: the report alone
     precision = args.precision or config.training.precision
     options = dict(precision=precision, device=device.type, training=not args.inference)
+    if args.parallelism == "sharded":
+        workers = args.workers if args.workers is not None else config.training.workers
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 2:
+            raise ConfigError("--workers", f"--parallelism sharded needs 2 or more workers, got {workers!r}")
+        options.update(parallelism="sharded", workers=workers)
+    elif args.workers is not None:
+        raise ConfigError("--workers", "applies to --parallelism sharded only")
     largest = None
     if memory is not None:
         largest = max_batch_size(config, memory.bytes, context=memory.context_included, **options)
@@ -353,7 +384,14 @@ def _memory(args) -> int:
     if batch is None:  # batch_size: auto in the config: report at the largest that fits
         batch = largest or 1  # nothing fits: the report of one sample says by how much
     report = estimate(config, batch, **options)
-    answer = verdict(report, memory, largest)
+    plan = None
+    if memory is not None and args.parallelism == "single" and not args.inference \
+            and report.needed_bytes(memory.context_included) > memory.bytes:
+        from dl4py.memory.sharded import fewest_workers
+
+        plan = fewest_workers(config, batch, memory.bytes, memory.context_included, precision=precision,
+                              device=device.type)
+    answer = verdict(report, memory, largest, plan)
     if args.json:
         print(json.dumps({**report.to_dict(), **answer}, indent=2))
     else:
@@ -470,6 +508,21 @@ def _export(args) -> int:
         raise DataError(f"{output}: is the model file itself; give another --output")
     export(model, output, args.format)
     print(output)
+    return 0
+
+
+def _serve(args) -> int:
+    from dl4py.serve import PredictionServer
+
+    server = PredictionServer(
+        _saved_model(args.model), host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
+        log_level="info", backend=args.backend, workers=args.workers, batch_limit=args.batch_limit,
+        queue_limit=args.queue_limit, queue_timeout=args.queue_timeout, max_body_bytes=args.max_body_bytes,
+        inference_mode=args.inference_mode)
+    print(f"dl4py serve: {server.service.metadata['model']} (version {server.service.model_version}) on "
+          f"{server.url}: POST /predict, GET /health, GET /metadata; Ctrl-C or SIGTERM stops", flush=True)
+    server.serve_forever()
+    print("dl4py serve: stopped", file=sys.stderr)
     return 0
 
 

@@ -206,7 +206,7 @@ class TrainingConfig(ConfigBase):
     score_every: int = 100  # iterations between score reports (0: never)
     accumulate_batches: int = 1  # batches whose summed gradients make one update (docs/training.md)
     # ParallelWrapper options (training.workers > 1); null = the wrapper's default
-    training_mode: Literal["averaging", "shared_gradients"] = "averaging"
+    training_mode: Literal["averaging", "shared_gradients", "sharded"] = "averaging"
     averaging_frequency: Optional[int] = None  # rounds between averages (default 1)
     prefetch_buffer: int = 16  # batches each worker keeps ready
     report_score_after_averaging: bool = False

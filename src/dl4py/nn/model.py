@@ -32,6 +32,8 @@ class Model:
     normalizer = None
     # Batches whose gradients make one update (set_accumulate_batches); a class default too.
     accumulate_batches = 1
+    # parallel.sharding.ShardedReplica while this model is a sharded worker's replica.
+    sharding = None
 
     def __init__(self, backend: str | Backend | None = None, precision: str | Precision | None = None):
         self._requested_backend = backend
@@ -83,7 +85,7 @@ class Model:
         self.update_count  # pending device counts become a number that pickles anywhere
         state = dict(self.__dict__)
         for name in ("module", "optimizer", "master", "scaler", "_train_step", "_gradient_hook", "backend",
-                     "precision", "device_data", "epoch_randomness"):
+                     "precision", "device_data", "epoch_randomness", "sharding"):
             state[name] = None
         return state
 

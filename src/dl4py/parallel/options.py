@@ -15,7 +15,9 @@ import torch
 
 from dl4py.errors import ConfigError
 
-MODES = ("averaging", "shared_gradients")
+MODES = ("averaging", "shared_gradients", "sharded")
+# Modes in which the replicas meet every step, in the update (no averaging rounds).
+STEP_MODES = ("shared_gradients", "sharded")
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,9 @@ class ParallelOptions:
     - ``averaging_frequency``: rounds between parameter averages (averaging mode; default 1).
     - ``report_score_after_averaging``: log the averaged score and the averaging time.
     - ``average_updaters``: average the updater state too (averaging mode; default on).
-    - ``training_mode``: ``"averaging"`` or ``"shared_gradients"`` (all-reduce every step).
+    - ``training_mode``: ``"averaging"``, ``"shared_gradients"`` (all-reduce every step) or
+      ``"sharded"`` (parameters, gradients and updater state split across the workers;
+      each step as shared gradients' — ``parallel/sharding.py``).
     - ``devices``: e.g. ``["cuda:0", "cuda:1"]`` or ``["cpu"]`` (default: the model's backend).
     - ``timeout``: seconds any wait on another process may last before it is an error.
     """
@@ -54,13 +58,13 @@ class ParallelOptions:
 
         if self.training_mode not in MODES:
             raise ConfigError(key("training_mode"), f"must be one of {', '.join(MODES)}; got {self.training_mode!r}")
-        if self.training_mode == "shared_gradients":
+        if self.training_mode in STEP_MODES:
             # An option that cannot apply is an error, not silently ignored as DL4J did.
             for name, unset in (("averaging_frequency", None), ("average_updaters", None),
                                 ("report_score_after_averaging", False)):
                 if getattr(self, name) != unset:
-                    raise ConfigError(key(name), "applies to training_mode 'averaging' only: shared gradients "
-                                                 "keep every replica identical")
+                    raise ConfigError(key(name), f"applies to training_mode 'averaging' only: "
+                                                 f"{self.training_mode} keeps every replica identical")
         for name in ("workers", "averaging_frequency"):
             value = getattr(self, name)
             if value is not None and not _is_int(value, minimum=1):

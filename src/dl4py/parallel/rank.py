@@ -56,6 +56,13 @@ def run_rank(rank: int, world: int, spec: WorkerSpec, source, *, should_stop=Non
     broadcast(replica_state(replica, include_updater=True), src=0)
     if replica.master is not None:
         replica.master.master_to_module()
+    sharded = None
+    if spec.options.training_mode == "sharded":
+        # The plain replica stays whole on rank 0 (what is saved, scored and shown to the
+        # listeners, filled by each gather); a private copy of it is trained in shards.
+        sharded = _sharded_copy(replica, spec, device, keep_twin=rank == 0)
+        replica = sharded.replica
+        listeners = [TwinListener(listener, sharded) for listener in listeners]
     if spec.options.training_mode == "shared_gradients":
         params = stepped_parameters(replica)
 
@@ -74,14 +81,19 @@ def run_rank(rank: int, world: int, spec: WorkerSpec, source, *, should_stop=Non
             report.summaries.append(summary)
             if report.stop is not None or not summary.completed:
                 break  # an iteration condition fired, or a stop was asked for: all stopped in the same round
+            judged = replica
+            if sharded is not None:
+                judged = sharded.gather()  # every rank takes part; rank 0's twin holds the epoch's state
             for listener in listeners:
                 listener.on_epoch_end(replica, summary)
             # Asked even after a stop voted in the epoch's last round: the relay has sent the
             # epoch's end, and the coordinator's answer must not be left for the next fit.
-            if spec.early_stopping and _epoch_decision(replica, decide, rank, device, report):
+            if spec.early_stopping and _epoch_decision(judged, decide, rank, device, report):
                 break
             if report.interrupted:
                 break  # asked in the epoch's last round: the epoch is complete
+        if sharded is not None:
+            sharded.gather()  # every rank, as all leave the loop together: rank 0's twin takes the final state
     finally:
         # Under torchrun the replica is the program's own model: its later fits are its own.
         replica.share_gradients(None)
@@ -91,9 +103,77 @@ def run_rank(rank: int, world: int, spec: WorkerSpec, source, *, should_stop=Non
             listener.on_fit_end(replica, report.interrupted)
     if spec.record_examples:
         report.records = torch.cat(report.records).tolist() if report.records else []
-    if keep_state:
+    if sharded is not None:
+        # Rank 0's twin holds the state. Under torchrun every rank's model takes it (rank 0's
+        # file, sent to all); in a pool only worker 0 keeps it: asked of all, so all agree.
+        others_keep = torch.tensor([1.0 if keep_state and rank != 0 else 0.0], device=device)
+        dist.all_reduce(others_keep, op=dist.ReduceOp.MAX)
+        state = [model_bytes(sharded.twin) if rank == 0 and keep_state else None]
+        if others_keep.item() > 0:
+            dist.broadcast_object_list(state, src=0)
+        report.state = state[0] if keep_state else None
+    elif keep_state:
         report.state = model_bytes(replica)
     return report
+
+
+def _sharded_copy(replica, spec: WorkerSpec, device, keep_twin: bool):
+    """A private copy of ``replica``, sharded over all ranks; ``replica`` is its twin where
+    kept. The copy is made from the model file of the state all ranks now share."""
+    from dataclasses import replace
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dl4py.nn.serialization import model_bytes as state_of
+    from dl4py.parallel.preflight import private_copy
+    from dl4py.parallel.sharding import shard_replica
+
+    if spec.accumulate_batches > 1:
+        from dl4py.errors import ConfigError
+
+        raise ConfigError("training.accumulate_batches", "is not supported with training_mode 'sharded' yet: "
+                                                         "use a larger batch, or the shared_gradients mode")
+    torch_model = spec.torch_model
+    if torch_model is not None and not isinstance(torch_model, bytes):
+        torch_model = private_copy(torch_model)  # under torchrun: never shard the program's own model
+    working = build_replica(replace(spec, model_file=state_of(replica), torch_model=torch_model), device)
+    working.module.train()
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    return shard_replica(working, mesh, twin=replica if keep_twin else None)
+
+
+class TwinListener:
+    """A listener of a sharded fit: it is shown the plain twin (rank 0's), its counters and
+    score those of the sharded replica, its parameters as of the last gather (each epoch's end)."""
+
+    def __init__(self, listener, sharded):
+        self.listener, self.sharded = listener, sharded
+
+    def _twin(self):
+        from dl4py.parallel.sharding import copy_counters
+
+        if self.sharded.twin is None:  # a rank without the twin: its own (sharded) replica
+            return self.sharded.replica
+        copy_counters(self.sharded.replica, self.sharded.twin)
+        return self.sharded.twin
+
+    def on_fit_start(self, model):
+        self.listener.on_fit_start(self._twin())
+
+    def on_epoch_start(self, model, epoch):
+        self.listener.on_epoch_start(self._twin(), epoch)
+
+    def iteration_done(self, model, iteration, epoch, loss, batch_size):
+        self.listener.iteration_done(self._twin(), iteration, epoch, loss, batch_size)
+
+    def on_epoch_end(self, model, summary):
+        self.listener.on_epoch_end(self._twin(), summary)
+
+    def on_fit_end(self, model, interrupted):
+        self.listener.on_fit_end(self._twin(), interrupted)
+
+    def __getattr__(self, name):  # what else the fit asks of the listener (the relay's decision)
+        return getattr(self.listener, name)
 
 
 def _epoch_decision(replica, decide, rank, device, report: RankReport) -> bool:

@@ -40,7 +40,7 @@ from dl4py.backend import Backend
 from dl4py.backend.cuda_environment import environment
 from dl4py.errors import DataError
 from dl4py.parallel.averaging import average, mean_over_participants, replica_state
-from dl4py.parallel.options import ParallelOptions
+from dl4py.parallel.options import STEP_MODES, ParallelOptions
 from dl4py.parallel.plan import OpenRoundPlan, RoundPlan
 from dl4py.parallel.sources import Prefetcher, ShardedSource
 from dl4py.train import accumulate
@@ -172,6 +172,8 @@ def train_epoch(replica, rank, world, spec, source, device, report, listeners, s
                     _, features, labels, mask = item
                     replica.set_mask(mask)  # padded sequences: the batch's own mask, as prepare_batch sets it
                     features = replica.prepare_input(features)  # dtype and memory format
+                    if replica.sharding is not None:  # a round it sits out runs a backward of these
+                        replica.sharding.remember(features, labels)
                     last_loss = tally.train(features, labels, f"worker {rank}, epoch {epoch}")
                     trained_since_average = True
                     if spec.record_examples:
@@ -181,7 +183,7 @@ def train_epoch(replica, rank, world, spec, source, device, report, listeners, s
                         # epoch's last batch, maybe shorter and another worker's, counts as full.
                         listener.iteration_done(replica, replica.iteration_count + trained, epoch, last_loss,
                                                 features.shape[0] * in_round)
-                elif spec.options.training_mode == "shared_gradients":
+                elif spec.options.training_mode in STEP_MODES:
                     replica.train_step(None, None)  # apply the shared update without a batch of its own
                 else:  # a streamed shard ran dry: its last window now, not after later averages
                     accumulate.finish(replica)
@@ -223,7 +225,7 @@ def train_epoch(replica, rank, world, spec, source, device, report, listeners, s
     all_examples, all_batches, all_loss = int(totals[0]), int(totals[1]), float(totals[2])
     if all_batches == 0 and start == 0 and report.stop is None:  # as the single-device loop says
         raise DataError(f"the data gave no batches in epoch {epoch} (worker {rank} of {world})")
-    if spec.options.training_mode == "shared_gradients":
+    if spec.options.training_mode in STEP_MODES:
         replica.set_score(all_loss / max(all_batches, 1))
     if plan.rounds is None:
         completed = report.stop is None and not report.interrupted

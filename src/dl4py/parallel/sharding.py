@@ -1,0 +1,338 @@
+"""Sharded data parallelism (``training_mode="sharded"``): ZeRO-3 on PyTorch's FSDP2.
+
+Each rank holds 1/N of every parameter, of its gradient and of the updater's state
+(``fully_shard``: ``Shard(0)`` DTensors on a 1-D mesh over the ranks). A layer's weights
+are gathered for its forward and again for its backward, then dropped; its gradients are
+reduced and scattered so that each rank keeps the mean gradient of its own shard, and
+each rank's updater steps its shards. The ranks train their own batches, as in the
+shared-gradients mode, and each update equals that mode's (and a single process's on the
+union of the round's batches).
+
+What is gathered at once is one *unit*. Units are the network's layers, and the rows of a
+dense layer whose weight is more than 1/``UNIT_FRACTION`` of the network's parameters are
+split into blocks, each a unit of its own: the seed's MLP 784-4000-4000-10 has 83% of its
+weights in one layer, and gathering that whole layer (with its full gradient and the
+reduce-scatter buffer beside it) would leave a rank holding 84% of the single process's
+peak; in blocks it holds 57% (docs/model-parallel.md).
+
+The model file stays whole: ``ShardedReplica.gather`` collects the full parameters and
+updater state into a plain, unsharded twin of the model (with the blocks joined back into
+their layer), which is what is saved, scored and shown to listeners; ``shard_replica``
+starts from a plain model's state. Both directions only slice and join, so a
+sharded -> single process -> sharded round trip is bit-exact.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+UNIT_FRACTION = 16  # a dense layer over 1/16 of the parameters is gathered in row blocks
+
+
+def row_blocks(weight_elements: int, total_parameters: int) -> int:
+    """Blocks a dense layer's rows are split into: enough that none holds more than
+    ``total_parameters / UNIT_FRACTION`` weights (1: the layer is one unit)."""
+    limit = total_parameters / UNIT_FRACTION
+    return max(1, math.ceil(weight_elements / limit)) if weight_elements > limit else 1
+
+
+class RowBlocks(nn.Module):
+    """A dense layer's ``nn.Linear`` as row blocks, each its own ``nn.Linear`` (and sharding
+    unit); the output is the blocks' outputs side by side, as the whole layer's would be."""
+
+    def __init__(self, linear: nn.Linear, blocks: int):
+        super().__init__()
+        weights = torch.tensor_split(linear.weight.detach(), blocks, dim=0)
+        biases = (torch.tensor_split(linear.bias.detach(), blocks, dim=0) if linear.bias is not None
+                  else [None] * blocks)
+        parts = []
+        for weight, bias in zip(weights, biases):
+            part = nn.Linear(linear.in_features, weight.shape[0], bias=bias is not None,
+                             device=weight.device, dtype=weight.dtype)
+            with torch.no_grad():
+                part.weight.copy_(weight)
+                if bias is not None:
+                    part.bias.copy_(bias)
+            parts.append(part)
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x):
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+def split_large_linears(module: nn.Module) -> dict[str, int]:
+    """Replace, in place, each ``nn.Linear`` holding more than 1/UNIT_FRACTION of the
+    parameters by ``RowBlocks``; returns {its name: blocks}."""
+    total = sum(p.numel() for p in module.parameters())
+    split = {}
+    for name, child in list(module.named_modules()):
+        if isinstance(child, nn.Linear):
+            blocks = row_blocks(child.weight.numel(), total)
+            if blocks > 1:
+                parent_name, _, attr = name.rpartition(".")
+                parent = module.get_submodule(parent_name) if parent_name else module
+                setattr(parent, attr, RowBlocks(child, blocks))
+                split[name] = blocks
+    return split
+
+
+def sharding_units(module: nn.Module) -> list[nn.Module]:
+    """The modules gathered one at a time, innermost first: every row block, then each
+    layer (a direct child of the root holding parameters; the vertices of a graph), the root
+    last, which owns whatever is left."""
+    blocks = [part for child in module.modules() if isinstance(child, RowBlocks) for part in child.parts]
+    layers = []
+    for child in module.children():
+        members = child.children() if isinstance(child, (nn.ModuleDict, nn.ModuleList)) else [child]
+        layers += [m for m in members if any(True for _ in m.parameters())]
+    return blocks + layers
+
+
+# -- names: the plain model's parameters <-> the sharded model's ---------------------------
+
+def blocked_names(name: str, split: dict[str, int]) -> list[str] | None:
+    """The sharded model's names for the plain parameter ``name`` when its layer is in row
+    blocks (``1.op.weight`` -> ``1.op.parts.0.weight``, ...), else None."""
+    layer, _, leaf = name.rpartition(".")
+    if layer in split:
+        return [f"{layer}.parts.{j}.{leaf}" for j in range(split[layer])]
+    return None
+
+
+def to_blocked(state: dict[str, torch.Tensor], split: dict[str, int]) -> dict[str, torch.Tensor]:
+    """A plain state (by parameter name) with the split layers' tensors cut into row blocks."""
+    out = {}
+    for name, tensor in state.items():
+        names = blocked_names(name, split)
+        if names is None:
+            out[name] = tensor
+        else:
+            out.update(zip(names, torch.tensor_split(tensor, len(names), dim=0)))
+    return out
+
+
+def to_plain(state: dict[str, torch.Tensor], split: dict[str, int]) -> dict[str, torch.Tensor]:
+    """The inverse of ``to_blocked``: row blocks joined back into their layer's tensor."""
+    out, joined = {}, set()
+    for name in state:
+        parts = name.split(".parts.")
+        layer = parts[0] if len(parts) == 2 else None
+        if layer in split:
+            leaf = name.rpartition(".")[2]
+            plain = f"{layer}.{leaf}"
+            if plain not in joined:
+                out[plain] = torch.cat([state[f"{layer}.parts.{j}.{leaf}"] for j in range(split[layer])], dim=0)
+                joined.add(plain)
+        else:
+            out[name] = state[name]
+    return out
+
+
+def optimizer_state_by_name(optimizer, names: dict[int, str]) -> tuple[dict, list[dict]]:
+    """The optimizer's state keyed by parameter name, and its groups' settings with the
+    names of their parameters (``names``: id(parameter) -> name)."""
+    state = {names[id(p)]: dict(s) for p, s in optimizer.state.items()}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+              for g in optimizer.param_groups]
+    return state, groups
+
+
+def stepped_module(model) -> nn.Module:
+    """The module whose parameters the updater steps: the float32 masters when kept."""
+    return model.master.master_module if model.master is not None else model.module
+
+
+class ShardedReplica:
+    """A model trained sharded: ``replica`` holds the FSDP2 module and an updater over its
+    shards; ``twin`` (where kept) a plain copy that ``gather`` fills with the full state."""
+
+    def __init__(self, replica, split: dict[str, int], mesh, twin=None):
+        self.replica, self.split, self.mesh, self.twin = replica, split, mesh, twin
+        self.last_batch = None  # (features, labels) this rank trained last: a round it sits out reuses them
+        self._gathered_at = None  # the replica's counters at the last gather
+
+    # -- the step ------------------------------------------------------------------
+    def remember(self, features, labels) -> None:
+        self.last_batch = (features, labels)
+
+    def gradient_hook(self, took_part: bool) -> None:
+        """Between backward and update. FSDP reduced the gradients in backward as the mean
+        over all ranks; a rank without a batch this round still has to take part in those
+        collectives, so it runs a backward worth nothing here (its shards then receive the
+        others' mean). The mean over the ranks that trained is then the mean over all
+        times world / participants, as the shared-gradients mode averages."""
+        if not took_part:
+            self._backward_of_nothing()
+        world = dist.get_world_size()
+        count = torch.tensor([1.0 if took_part else 0.0], device=self.replica.backend.device)
+        dist.all_reduce(count)
+        participants = int(count.item())
+        if 0 < participants < world:
+            for p in self.replica.module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(world / participants)
+
+    def _backward_of_nothing(self) -> None:
+        features, labels = self.last_batch
+        module = self.replica.module
+        was_training = module.training
+        module.eval()  # no batch-norm statistics or dropout draws from a batch already trained
+        try:
+            with self.replica.precision.forward_context(self.replica.backend.device):
+                outputs = module(features)
+            (self.replica.loss(outputs.float(), labels) * 0.0).backward()
+        finally:
+            module.train(was_training)
+
+    # -- the whole model -------------------------------------------------------------
+    def gather(self, to_all: bool = False):
+        """Collect the full parameters, buffers and updater state into the twin (on every
+        rank with ``to_all``, else on rank 0 only, the others' twin being None); collective:
+        every rank calls it. Returns the twin, its counters those of the replica."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        moment = (self.replica.iteration_count, self.replica.update_count, self.replica.epoch_count)
+        if moment == self._gathered_at:  # nothing trained since: the same on every rank
+            return self.twin
+        self._gathered_at = moment
+        options = StateDictOptions(full_state_dict=True, cpu_offload=not to_all)
+        module = self.replica.module
+        model_state = get_model_state_dict(module, options=options)
+        optim_state = get_optimizer_state_dict(module, self.replica.optimizer, options=options)
+        if self.twin is None:
+            return None
+        load_into_plain(self.twin, to_plain(model_state, self.split),
+                        {name: {k: v for k, v in s.items()} for name, s in
+                         _joined_optimizer_state(optim_state["state"], self.split).items()},
+                        _plain_groups(optim_state["param_groups"], self.split))
+        copy_counters(self.replica, self.twin)
+        return self.twin
+
+
+def _joined_optimizer_state(state: dict, split: dict[str, int]) -> dict:
+    """Per-parameter updater state with each split layer's blocks joined (scalars, such as
+    Adam's step, are the same in every block: the first is kept)."""
+    by_key: dict[str, dict[str, torch.Tensor]] = {}
+    for name, entries in state.items():
+        for key, value in entries.items():
+            by_key.setdefault(key, {})[name] = value
+    joined: dict[str, dict] = {}
+    for key, tensors in by_key.items():
+        shaped = {n: t for n, t in tensors.items() if torch.is_tensor(t) and t.dim() > 0}
+        scalars = {n: t for n, t in tensors.items() if n not in shaped}
+        for name, value in to_plain(shaped, split).items():
+            joined.setdefault(name, {})[key] = value
+        for name, value in scalars.items():
+            parts = name.split(".parts.")
+            plain = f"{parts[0]}.{name.rpartition('.')[2]}" if len(parts) == 2 and parts[0] in split else name
+            joined.setdefault(plain, {}).setdefault(key, value)
+    return joined
+
+
+def _plain_groups(groups: list[dict], split: dict[str, int]) -> list[dict]:
+    out = []
+    for group in groups:
+        names, seen = [], set()
+        for name in group["params"]:
+            parts = name.split(".parts.")
+            plain = f"{parts[0]}.{name.rpartition('.')[2]}" if len(parts) == 2 and parts[0] in split else name
+            if plain not in seen:
+                names.append(plain)
+                seen.add(plain)
+        out.append({**group, "params": names})
+    return out
+
+
+@torch.no_grad()
+def load_into_plain(model, module_state: dict, optimizer_state: dict, groups: list[dict]) -> None:
+    """Put full, plain-named state into an unsharded model: parameters (into the masters too
+    where kept), buffers, and the updater's state and group settings."""
+    stepped = stepped_module(model)
+    for name, tensor in stepped.state_dict().items():
+        tensor.copy_(module_state[name])
+    if model.master is not None:
+        model.master.master_to_module()
+        for name, buffer in model.module.named_buffers():
+            buffer.copy_(module_state[name])
+    names = {id(p): n for n, p in stepped.named_parameters()}
+    order = [names[id(p)] for g in model.optimizer.param_groups for p in g["params"]]
+    index = {name: i for i, name in enumerate(order)}
+    model.optimizer.load_state_dict({
+        "state": {index[name]: state for name, state in optimizer_state.items() if name in index},
+        "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in g["params"]]}
+                         for g in groups],
+    })
+
+
+def copy_counters(source, target) -> None:
+    for name in ("epoch_count", "iteration_count", "update_count", "batch_in_epoch"):
+        setattr(target, name, getattr(source, name))
+    target.set_score(source.last_score)
+
+
+def shard_replica(replica, mesh, twin=None) -> ShardedReplica:
+    """Shard an initialised plain model in place: its (master) module split into units and
+    handed to ``fully_shard``, its updater rebuilt over the shards with the state it had.
+    ``twin``: the plain model ``gather`` fills (None on ranks that need none)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    stepped = stepped_module(replica)
+    names = {id(p): n for n, p in stepped.named_parameters()}
+    state, groups = optimizer_state_by_name(replica.optimizer, names)
+    kernel = dict(replica.optimizer.defaults)
+    if kernel.get("fused"):  # DTensor has no sharding rule for the fused kernels: the foreach ones step shards
+        kernel.update(fused=False, foreach=True)
+    optimizer_class = type(replica.optimizer)
+    low = replica.module.parameters().__next__().dtype if replica.master is not None else None
+    split = split_large_linears(stepped)
+    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low is not None else None
+    for unit in sharding_units(stepped) + [stepped]:
+        if policy is None:
+            fully_shard(unit, mesh=mesh)
+        else:
+            fully_shard(unit, mesh=mesh, mp_policy=policy)
+    # The masters, sharded, are what runs now: FSDP casts them to 16 bits for each gathered unit.
+    replica.module, replica.master = stepped, None
+    by_name = dict(stepped.named_parameters())
+    new_groups = []
+    for group in groups:
+        params = []
+        for name in group["params"]:
+            params += [by_name[n] for n in (blocked_names(name, split) or [name])]
+        settings = {k: v for k, v in group.items() if k not in ("params", "fused", "foreach")}
+        new_groups.append({**settings, **{k: kernel[k] for k in ("fused", "foreach") if k in kernel},
+                           "params": params})
+    replica.optimizer = optimizer_class(new_groups, **kernel)
+    if state:
+        blocked = {}
+        for name, entries in state.items():
+            names_after = blocked_names(name, split)
+            for key, value in entries.items():
+                if names_after is None:
+                    blocked.setdefault(name, {})[key] = value
+                elif torch.is_tensor(value) and value.dim() > 0:
+                    for n, piece in zip(names_after, torch.tensor_split(value, len(names_after), dim=0)):
+                        blocked.setdefault(n, {})[key] = piece
+                else:
+                    for n in names_after:
+                        blocked.setdefault(n, {})[key] = value.clone() if torch.is_tensor(value) else value
+        param_groups = [{**{k: v for k, v in g.items() if k not in ("params", "fused", "foreach")},
+                         "params": [n for name in g["params"] for n in (blocked_names(name, split) or [name])]}
+                        for g in groups]
+        set_optimizer_state_dict(stepped, replica.optimizer,
+                                 {"state": blocked, "param_groups": param_groups},
+                                 options=StateDictOptions(full_state_dict=True))
+    sharded = ShardedReplica(replica, split, mesh, twin)
+    replica.sharding = sharded
+    replica.share_gradients(sharded.gradient_hook)  # also drops the step made for the old module
+    return sharded

@@ -1,0 +1,186 @@
+"""The ASGI application of ``dl4py serve``: ``POST /predict``, ``GET /health``, ``GET /metadata``.
+
+Starlette routes, JSON in and out. The event loop only moves bytes: a request's body is read
+here under the size limit, then parsed, run and answered in the service's thread pool
+(``Service.answer``), awaited with ``asyncio.wrap_future``. At most ``queue_limit`` requests
+are in that pool at once; one more waits up to ``queue_timeout`` seconds for a place, then
+gets 503. Every error is JSON ``{"error": message, "request_id": id}``; an unexpected one is
+500 with a generic message, its traceback going to the ``dl4py.serve`` log under that id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+
+from dl4py.errors import DataError, InferenceError, MissingDependencyError
+from dl4py.serve.body import RequestError
+from dl4py.serve.service import Service, load_model
+
+log = logging.getLogger("dl4py.serve")
+
+
+def _starlette():
+    try:
+        import starlette  # noqa: F401
+    except ImportError:
+        raise MissingDependencyError("dl4py serve", "starlette", "serve") from None
+
+
+def make_app(model, **options):
+    """The ASGI app serving ``model`` (a Model, a model file or a run directory).
+
+    ``options``: ``workers``, ``devices``, ``inference_mode``, ``batch_limit`` (as
+    ParallelInference), ``queue_limit`` (requests answered at once), ``queue_timeout``
+    (seconds one more waits for a place before a 503), ``max_body_bytes``, ``input_shape``
+    (one example's shape; needed for a TorchModel), ``labels`` (class names), ``backend``
+    (for a model read from a file). ``app.state.service`` is the ``Service``; ParallelInference
+    is closed when the app's lifespan ends.
+    """
+    _starlette()
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.routing import Route
+
+    backend = options.pop("backend", None)
+    model_file = None
+    if not hasattr(model, "output"):
+        model_file = model
+        model = load_model(model, backend=backend)
+    service = Service(model, model_file=model_file, **options)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        try:
+            yield
+        finally:
+            # The server has answered what it received (or given up waiting): stop the replicas.
+            await asyncio.get_running_loop().run_in_executor(None, service.close)
+
+    app = Starlette(
+        routes=[Route("/predict", _predict, methods=["POST"]),
+                Route("/health", _health, methods=["GET"]),
+                Route("/metadata", _metadata, methods=["GET"])],
+        exception_handlers={HTTPException: _http_error, Exception: _internal_error},
+        lifespan=lifespan,
+    )
+    app.state.service = service
+    app.state.slots = asyncio.Semaphore(service.queue_limit)
+    return app
+
+
+async def _predict(request):
+    service: Service = request.app.state.service
+    request_id = uuid.uuid4().hex[:12]
+    if not service.enter():
+        return _json_response(503, "the server is shutting down and takes no more requests", request_id)
+    try:
+        status, body = await _prediction(request, service, request_id)
+    finally:
+        service.leave()
+    return _json_response(status, body, request_id)
+
+
+async def _prediction(request, service: Service, request_id: str) -> tuple[int, bytes | str]:
+    """(status, JSON answer bytes or an error message)."""
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        shown = f"got {media_type!r}" if media_type else "got none"
+        return 415, f"POST /predict takes Content-Type application/json, {shown}"
+    from starlette.requests import ClientDisconnect
+
+    try:
+        body = await _read_body(request, service.max_body_bytes)
+    except RequestError as error:
+        return error.status, error.message
+    except ClientDisconnect:  # nobody is left to hear the answer; not the server's fault
+        return 400, "the client closed the connection before its whole body arrived"
+    slots: asyncio.Semaphore = request.app.state.slots
+    try:
+        if slots.locked():  # every place taken: wait for one, up to queue_timeout (0: not at all)
+            await asyncio.wait_for(slots.acquire(), service.queue_timeout)
+        else:
+            await slots.acquire()
+    except asyncio.TimeoutError:
+        return 503, (f"the server is busy: {service.queue_limit} requests are being answered (queue_limit) and "
+                     f"no place came free in {service.queue_timeout:g} s; retry later")
+    try:
+        return 200, await asyncio.wrap_future(service.pool.submit(service.answer, body))
+    except RequestError as error:
+        return error.status, error.message
+    except DataError as error:  # features the network itself refuses (an embedding index out of range)
+        return 422, str(error).replace("ParallelInference.output(features): ", "")
+    except InferenceError as error:
+        return 503, f"the model cannot take this request now: {error}"
+    except Exception:  # noqa: BLE001 - a bug or a device failure: logged whole, told in brief
+        log.exception("dl4py serve: request %s failed", request_id)
+        return 500, f"internal error while predicting; the server's log holds the details under request id {request_id}"
+    finally:
+        slots.release()
+
+
+async def _read_body(request, limit: int) -> bytes:
+    """The body, refusing one over ``limit`` bytes: by its Content-Length before reading
+    anything, and by the bytes actually read (a chunked body has no length)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise RequestError(400, f"Content-Length {declared!r} is not a number of bytes")
+        if int(declared) > limit:
+            raise RequestError(413, f"the body is {int(declared)} bytes; this server takes at most {limit} "
+                                    "(max_body_bytes): send fewer examples per request")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(413, f"the body is over {limit} bytes, the most this server takes "
+                                    "(max_body_bytes): send fewer examples per request")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _health(request):
+    service: Service = request.app.state.service
+    counts = service.counts()
+    status = "draining" if service.draining else "serving"
+    return _json_response(503 if service.draining else 200,
+                          {"status": status, "model_version": service.model_version,
+                           "in_flight": counts["in_flight"], "requests": counts["received"],
+                           "inference": service.inference.stats()})
+
+
+async def _metadata(request):
+    return _json_response(200, request.app.state.service.metadata)
+
+
+async def _http_error(request, error):
+    # Starlette's 404 and 405, as JSON like every other answer.
+    messages = {404: f"no such endpoint {request.url.path}; there are POST /predict, GET /health, GET /metadata",
+                405: f"{request.method} is not allowed on {request.url.path}"}
+    return _json_response(error.status_code, messages.get(error.status_code, str(error.detail)),
+                          headers=getattr(error, "headers", None))
+
+
+async def _internal_error(request, error):
+    request_id = uuid.uuid4().hex[:12]
+    log.error("dl4py serve: request %s failed", request_id, exc_info=error)
+    return _json_response(500, f"internal error; the server's log holds the details under request id {request_id}",
+                          request_id)
+
+
+def _json_response(status: int, body, request_id: str | None = None, headers=None):
+    """``body``: JSON bytes already made, a message (for an error), or a dict."""
+    import json
+
+    from starlette.responses import Response
+
+    if isinstance(body, str):
+        body = {"error": body, **({"request_id": request_id} if request_id else {})}
+    if isinstance(body, dict):
+        body = json.dumps(body).encode("utf-8")
+    headers = dict(headers or {})
+    if request_id:
+        headers["X-Request-ID"] = request_id
+    return Response(body, status_code=status, media_type="application/json", headers=headers)

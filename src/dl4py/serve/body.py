@@ -1,0 +1,129 @@
+"""What ``POST /predict`` reads: a JSON body's ``features``, checked against the model's input.
+
+Pure functions of bytes, without the web framework, so every rule is testable alone and
+each refusal is a ``RequestError`` carrying its HTTP status and a message naming what is
+wrong: not JSON (400), no ``features`` key, something that is not a number, examples of the
+wrong shape or of different lengths, a value beyond float32 (422).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+class RequestError(Exception):
+    """A request the server refuses: ``status`` (4xx or 503) and a message for the client."""
+
+    def __init__(self, status: int, message: str):
+        self.status, self.message = status, message
+        super().__init__(f"{status}: {message}")
+
+
+def read_features(body: bytes, example_shape: tuple[int, ...]) -> np.ndarray:
+    """The examples of a ``{"features": ...}`` body as float32 ``[n, *example_shape]``.
+
+    ``features`` is a list of examples, each nested as ``example_shape`` or flat (its
+    ``prod(example_shape)`` numbers), or one such example alone.
+    """
+    document = _json(body)
+    if not isinstance(document, dict):
+        raise RequestError(422, f'the body must be a JSON object {{"features": [...]}}, got a JSON {_kind(document)}')
+    if "features" not in document:
+        keys = ", ".join(map(repr, list(document)[:5])) or "none"
+        raise RequestError(422, f'the body has no "features" key (its keys: {keys}); '
+                                'send {"features": [[...], ...]}, one list of numbers per example')
+    features = document["features"]
+    if b"true" in body or b"false" in body:  # numpy would take a JSON boolean for 1 or 0
+        bad = _first_non_number(features, "features")
+        if bad is not None:
+            raise RequestError(422, bad)
+    return _shaped(_numbers(features), example_shape)
+
+
+def _json(body: bytes):
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestError(400, f"the body is not UTF-8 text: byte {exc.start} cannot be decoded") from None
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except json.JSONDecodeError as exc:
+        raise RequestError(400, f"the body is not valid JSON: {exc.msg} at line {exc.lineno}, "
+                                f"column {exc.colno}") from None
+
+
+def _no_constant(name: str):
+    # Python's json reads NaN and Infinity; JSON has neither, and a model should not see them.
+    raise RequestError(422, f"features hold {name}, which is not a JSON number; send finite numbers")
+
+
+def _numbers(features) -> np.ndarray:
+    if not isinstance(features, list):
+        raise RequestError(422, f'"features" must be a list (of examples), got a JSON {_kind(features)}')
+    try:
+        array = np.asarray(features)
+    except ValueError:  # numpy refuses lists of different lengths
+        array = None
+    if array is None or array.dtype == object:
+        bad = _first_non_number(features, "features")
+        if bad is not None:
+            raise RequestError(422, bad)
+        raise RequestError(422, "features: the examples (or their rows) have different lengths; "
+                                f"lengths at the first level below: {_lengths(features)}")
+    if array.dtype.kind not in "iuf":  # strings, booleans
+        raise RequestError(422, _first_non_number(features, "features") or
+                           f"features must be numbers, got {array.dtype.kind!r} values")
+    if array.size == 0:
+        raise RequestError(422, "features holds no examples")
+    with np.errstate(over="ignore"):
+        values = array.astype(np.float32)
+    if not np.isfinite(values).all():
+        index = np.unravel_index(int(np.argmin(np.isfinite(values))), values.shape)
+        position = "".join(f"[{i}]" for i in index)
+        raise RequestError(422, f"features{position} = {array[index]} is beyond float32's range")
+    return values
+
+
+def _shaped(values: np.ndarray, example_shape: tuple[int, ...]) -> np.ndarray:
+    width = math.prod(example_shape)
+    shape, example_shape = tuple(values.shape), tuple(example_shape)
+    if shape in (example_shape, (width,)):
+        values = values[None]  # one example alone
+    elif len(shape) < 2 or shape[1:] not in (example_shape, (width,)):
+        shown = ", ".join(map(str, example_shape))
+        flat = f" (or [n, {width}] flat)" if len(example_shape) > 1 else ""
+        raise RequestError(422, f"features have shape {list(shape)}, but the model takes a list of examples "
+                                f"[n, {shown}]{flat}, or one example alone")
+    return values.reshape(values.shape[0], *example_shape)
+
+
+def _first_non_number(value, where: str) -> str | None:
+    """Where the first value that is not a number sits, or None when there is none."""
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _first_non_number(item, f"{where}[{i}]")
+            if found:
+                return found
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"{where} is {json.dumps(value)[:40]}, not a number"
+    if isinstance(value, int) and abs(value) > FLOAT32_MAX:  # numpy keeps such an int as an object
+        digits = str(abs(value))  # too large for a float: written from its digits
+        shown = f"{'-' if value < 0 else ''}{digits[0]}.{digits[1:3]}e+{len(digits) - 1}"
+        return f"{where} = {shown} is beyond float32's range"
+    return None
+
+
+def _lengths(features: list) -> str:
+    lengths = [len(item) if isinstance(item, list) else "a number" for item in features[:8]]
+    return ", ".join(map(str, lengths)) + (", ..." if len(features) > 8 else "")
+
+
+def _kind(value) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number")
