@@ -24,7 +24,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("mode", ["averaging", "shared_gradients"])
+@pytest.mark.parametrize("mode", ["averaging", "shared_gradients", "sharded"])
 def test_two_torchrun_nodes_match_the_single_node_run(tmp_path, mode):
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{HERE}", "OMP_NUM_THREADS": "1"}
     single = tmp_path / "single.dl4py"

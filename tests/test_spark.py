@@ -219,6 +219,27 @@ def test_a_dataframe_trains_as_its_in_memory_equivalent(spark, twin):
 
 
 @needs_java
+def test_a_sharded_dataframe_fit_steps_as_one_process_on_each_rounds_batches(spark):
+    """training_mode 'sharded' (FSDP2) on Spark tasks: rank i reads partition i, and each
+    update is the mean gradient of the round's two batches, so the fit ends where a single
+    process ends that steps on batch r of both partitions together."""
+    from dl4py.spark import SparkTrainer
+
+    rows = [(row, label) for x, y in PARTS for row, label in zip(x.tolist(), y.tolist())]
+    df = spark.createDataFrame(spark.sparkContext.parallelize(rows, 2), "features array<double>, label int")
+    sharded = network()
+    SparkTrainer(sharded, 2, spark=spark, training_mode="sharded").fit(df, label="label", batch_size=BATCH, epochs=1)
+    reference = network().init()
+    for r in range(PER_PART // BATCH):
+        rows_r = slice(r * BATCH, (r + 1) * BATCH)
+        features = torch.cat([x[rows_r] for x, _ in PARTS]).to(torch.float32)
+        reference.train_step(reference.prepare_input(features), torch.cat([y[rows_r] for _, y in PARTS]))
+    assert (sharded.epoch_count, sharded.iteration_count) == (1, 8)
+    for (name, a), b in zip(reference.module.named_parameters(), sharded.module.parameters()):
+        assert torch.allclose(a, b, atol=1e-6), f"{name} differs by {(a - b).abs().max().item():.2e}"
+
+
+@needs_java
 def test_local_cluster_ranks_train_exactly_and_a_failing_rank_fails_the_job_with_its_error(tmp_path, twin):
     """On local-cluster (ranks in executor processes), in one Spark application: a fit over
     two Parquet files (PARTS: rank i reads file i) ends with the parameters of spawned workers

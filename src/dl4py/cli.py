@@ -2,7 +2,7 @@
 
     dl4py train CONFIG.yaml [--epochs N] [--batch-size N] [--backend auto|cpu|gpu]
                             [--precision P] [--workers N] [--averaging-frequency K]
-                            [--training-mode averaging|shared_gradients|sharded] [--accumulate-batches K]
+                            [--training-mode averaging|shared_gradients|sharded|tensor|hybrid] [--accumulate-batches K]
                             [--launcher spawn|torchrun|spark] [--spark-master URL]
                             [--output DIR] [--resume] [--set key=value ...]
                             [--verbose 0|1|2 | --no-progress]
@@ -54,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--precision", help="training.precision (float, double, half, bfloat16, mixed-fp16, mixed-bf16)")
     train.add_argument("--workers", type=int, help="training.workers: > 1 trains data-parallel with a ParallelWrapper")
     train.add_argument("--averaging-frequency", type=int, help="training.averaging_frequency (rounds between averages)")
-    train.add_argument("--training-mode", help="training.training_mode: averaging, shared_gradients or sharded")
+    train.add_argument("--training-mode",
+                       help="training.training_mode: averaging, shared_gradients, sharded, tensor or hybrid")
     train.add_argument("--accumulate-batches", type=int,
                        help="training.accumulate_batches: batches whose summed gradients make one update")
     train.add_argument("--launcher", choices=["spawn", "torchrun", "spark"],

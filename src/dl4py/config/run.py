@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional, Union
 
 import yaml
 
@@ -206,7 +206,10 @@ class TrainingConfig(ConfigBase):
     score_every: int = 100  # iterations between score reports (0: never)
     accumulate_batches: int = 1  # batches whose summed gradients make one update (docs/training.md)
     # ParallelWrapper options (training.workers > 1); null = the wrapper's default
-    training_mode: Literal["averaging", "shared_gradients", "sharded"] = "averaging"
+    training_mode: Literal["averaging", "shared_gradients", "sharded", "tensor", "hybrid"] = "averaging"
+    # The plan in the issue's words (docs/model-parallel.md): data | sharded | tensor, or per
+    # kind of layer, {conv: data, dense: tensor} (the hybrid). Sets training_mode; null: unset.
+    parallelism: Union[Literal["data", "sharded", "tensor"], dict[str, str], None] = None
     averaging_frequency: Optional[int] = None  # rounds between averages (default 1)
     prefetch_buffer: int = 16  # batches each worker keeps ready
     report_score_after_averaging: bool = False
@@ -224,10 +227,28 @@ class TrainingConfig(ConfigBase):
         checked_batches(self.accumulate_batches, join(where, "accumulate_batches"))
         if self.workers == 1:  # options of the parallel trainer must not be silently ignored
             for name, inert in (("training_mode", "averaging"), ("averaging_frequency", None),
-                                ("report_score_after_averaging", False)):
+                                ("report_score_after_averaging", False), ("parallelism", None)):
                 if getattr(self, name) != inert:
                     raise ConfigError(join(where, name), "applies to parallel training only: set training.workers > 1")
+        self.mode(where)
         self.parallel_options().validate(where)  # the ParallelWrapper's own checks, under this section's keys
+
+    def mode(self, where: str = "training") -> str:
+        """The training mode ``parallelism`` names, else ``training_mode``."""
+        plan = self.parallelism
+        if plan is None or plan == "data":
+            return self.training_mode
+        key = join(where, "parallelism")
+        if self.training_mode != "averaging":
+            raise ConfigError(key, f"and training_mode ({self.training_mode!r}) both choose the plan: give one")
+        if isinstance(plan, str):
+            return plan
+        if plan == {"conv": "data", "dense": "tensor"}:
+            return "hybrid"
+        if plan == {"conv": "data", "dense": "data"}:
+            return self.training_mode
+        raise ConfigError(key, f"per kind of layer, dl4py trains {{conv: data, dense: tensor}} (the hybrid) or "
+                               f"{{conv: data, dense: data}}; got {plan!r}")
 
     def parallel_options(self):
         """The ParallelWrapper's options this section sets (its defaults for the rest)."""
@@ -236,7 +257,7 @@ class TrainingConfig(ConfigBase):
         return ParallelOptions(workers=self.workers, prefetch_buffer=self.prefetch_buffer,
                                averaging_frequency=self.averaging_frequency,
                                report_score_after_averaging=self.report_score_after_averaging,
-                               training_mode=self.training_mode)
+                               training_mode=self.mode())
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,9 @@ class Model:
     normalizer = None
     # Batches whose gradients make one update (set_accumulate_batches); a class default too.
     accumulate_batches = 1
-    # parallel.sharding.ShardedReplica while this model is a sharded worker's replica.
-    sharding = None
+    # How a sharded or tensor-parallel worker's replica is laid out across the ranks
+    # (parallel.sharding.ShardedReplica, parallel.tensor_replica.TensorParallelReplica); else None.
+    parallel_layout = None
 
     def __init__(self, backend: str | Backend | None = None, precision: str | Precision | None = None):
         self._requested_backend = backend
@@ -85,7 +86,7 @@ class Model:
         self.update_count  # pending device counts become a number that pickles anywhere
         state = dict(self.__dict__)
         for name in ("module", "optimizer", "master", "scaler", "_train_step", "_gradient_hook", "backend",
-                     "precision", "device_data", "epoch_randomness", "sharding"):
+                     "precision", "device_data", "epoch_randomness", "parallel_layout"):
             state[name] = None
         return state
 

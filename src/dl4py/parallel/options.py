@@ -15,9 +15,11 @@ import torch
 
 from dl4py.errors import ConfigError
 
-MODES = ("averaging", "shared_gradients", "sharded")
+MODES = ("averaging", "shared_gradients", "sharded", "tensor", "hybrid")
 # Modes in which the replicas meet every step, in the update (no averaging rounds).
-STEP_MODES = ("shared_gradients", "sharded")
+STEP_MODES = ("shared_gradients", "sharded", "tensor", "hybrid")
+# Modes whose replicas hold parts of the parameters (parallel/sharding.py, tensor_parallel.py).
+DISTRIBUTED_MODES = ("sharded", "tensor", "hybrid")
 
 
 @dataclass(frozen=True)
@@ -29,9 +31,11 @@ class ParallelOptions:
     - ``averaging_frequency``: rounds between parameter averages (averaging mode; default 1).
     - ``report_score_after_averaging``: log the averaged score and the averaging time.
     - ``average_updaters``: average the updater state too (averaging mode; default on).
-    - ``training_mode``: ``"averaging"``, ``"shared_gradients"`` (all-reduce every step) or
-      ``"sharded"`` (parameters, gradients and updater state split across the workers;
-      each step as shared gradients' — ``parallel/sharding.py``).
+    - ``training_mode``: ``"averaging"``, ``"shared_gradients"`` (all-reduce every step),
+      ``"sharded"`` (parameters, gradients and updater state split across the workers; each
+      step as shared gradients' — ``parallel/sharding.py``), ``"tensor"`` (large dense layers
+      split across the workers, which all train the same batches) or ``"hybrid"`` (data
+      parallel convolutions, tensor parallel dense layers — ``parallel/tensor_parallel.py``).
     - ``devices``: e.g. ``["cuda:0", "cuda:1"]`` or ``["cpu"]`` (default: the model's backend).
     - ``timeout``: seconds any wait on another process may last before it is an error.
     """

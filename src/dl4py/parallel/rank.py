@@ -18,6 +18,7 @@ import torch.distributed as dist
 from dl4py.backend.cuda_environment import Environment
 from dl4py.nn.serialization import model_bytes
 from dl4py.parallel.averaging import broadcast, replica_state, share_gradients, stepped_parameters
+from dl4py.parallel.options import DISTRIBUTED_MODES
 from dl4py.parallel.worker import WorkerSpec, build_replica, train_epoch, worker_device
 from dl4py.train.epoch import EpochSummary
 
@@ -56,11 +57,11 @@ def run_rank(rank: int, world: int, spec: WorkerSpec, source, *, should_stop=Non
     broadcast(replica_state(replica, include_updater=True), src=0)
     if replica.master is not None:
         replica.master.master_to_module()
-    sharded = None
-    if spec.options.training_mode == "sharded":
+    sharded = None  # the layout of a sharded, tensor-parallel or hybrid fit
+    if spec.options.training_mode in DISTRIBUTED_MODES:
         # The plain replica stays whole on rank 0 (what is saved, scored and shown to the
-        # listeners, filled by each gather); a private copy of it is trained in shards.
-        sharded = _sharded_copy(replica, spec, device, keep_twin=rank == 0)
+        # listeners, filled by each gather); a private copy of it is trained distributed.
+        sharded = _distributed_copy(replica, spec, device, keep_twin=rank == 0)
         replica = sharded.replica
         listeners = [TwinListener(listener, sharded) for listener in listeners]
     if spec.options.training_mode == "shared_gradients":
@@ -117,29 +118,37 @@ def run_rank(rank: int, world: int, spec: WorkerSpec, source, *, should_stop=Non
     return report
 
 
-def _sharded_copy(replica, spec: WorkerSpec, device, keep_twin: bool):
-    """A private copy of ``replica``, sharded over all ranks; ``replica`` is its twin where
-    kept. The copy is made from the model file of the state all ranks now share."""
+def _distributed_copy(replica, spec: WorkerSpec, device, keep_twin: bool):
+    """A private copy of ``replica`` distributed over all ranks as the training mode says
+    (returns its layout); ``replica`` is its twin where kept. The copy is made from the
+    model file of the state all ranks now share."""
     from dataclasses import replace
 
     from torch.distributed.device_mesh import init_device_mesh
 
     from dl4py.nn.serialization import model_bytes as state_of
     from dl4py.parallel.preflight import private_copy
-    from dl4py.parallel.sharding import shard_replica
 
-    if spec.accumulate_batches > 1:
-        from dl4py.errors import ConfigError
-
-        raise ConfigError("training.accumulate_batches", "is not supported with training_mode 'sharded' yet: "
-                                                         "use a larger batch, or the shared_gradients mode")
+    mode = spec.options.training_mode
     torch_model = spec.torch_model
     if torch_model is not None and not isinstance(torch_model, bytes):
-        torch_model = private_copy(torch_model)  # under torchrun: never shard the program's own model
+        torch_model = private_copy(torch_model)  # under torchrun: never convert the program's own model
     working = build_replica(replace(spec, model_file=state_of(replica), torch_model=torch_model), device)
     working.module.train()
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    return shard_replica(working, mesh, twin=replica if keep_twin else None)
+    twin = replica if keep_twin else None
+    if mode == "sharded":
+        from dl4py.parallel.sharding import shard_replica
+
+        return shard_replica(working, mesh, twin=twin)
+    from dl4py.parallel.tensor_parallel import apply_tensor_parallel
+    from dl4py.parallel.tensor_replica import TensorParallelReplica
+
+    plan = apply_tensor_parallel(working, mesh, hybrid=mode == "hybrid")
+    working.share_gradients(plan.gradient_hook)
+    layout = TensorParallelReplica(working, plan, twin)
+    working.parallel_layout = layout
+    return layout
 
 
 class TwinListener:

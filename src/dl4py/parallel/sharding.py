@@ -31,14 +31,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dl4py.parallel.distributed_state import optimizer_state_by_name
+
 UNIT_FRACTION = 16  # a dense layer over 1/16 of the parameters is gathered in row blocks
+# ... unless it is small anyway: each unit costs its own collectives every step, which for
+# small layers is time lost for memory nobody misses (4 MB in float32).
+MIN_UNIT_ELEMENTS = 1 << 20
 
 
 def row_blocks(weight_elements: int, total_parameters: int) -> int:
     """Blocks a dense layer's rows are split into: enough that none holds more than
-    ``total_parameters / UNIT_FRACTION`` weights (1: the layer is one unit)."""
-    limit = total_parameters / UNIT_FRACTION
-    return max(1, math.ceil(weight_elements / limit)) if weight_elements > limit else 1
+    ``total_parameters / UNIT_FRACTION`` weights, nor less than MIN_UNIT_ELEMENTS (1: the
+    layer is one unit)."""
+    limit = max(total_parameters / UNIT_FRACTION, MIN_UNIT_ELEMENTS)
+    return math.ceil(weight_elements / limit) if weight_elements > limit else 1
 
 
 class RowBlocks(nn.Module):
@@ -133,15 +139,6 @@ def to_plain(state: dict[str, torch.Tensor], split: dict[str, int]) -> dict[str,
     return out
 
 
-def optimizer_state_by_name(optimizer, names: dict[int, str]) -> tuple[dict, list[dict]]:
-    """The optimizer's state keyed by parameter name, and its groups' settings with the
-    names of their parameters (``names``: id(parameter) -> name)."""
-    state = {names[id(p)]: dict(s) for p, s in optimizer.state.items()}
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
-              for g in optimizer.param_groups]
-    return state, groups
-
-
 def stepped_module(model) -> nn.Module:
     """The module whose parameters the updater steps: the float32 masters when kept."""
     return model.master.master_module if model.master is not None else model.module
@@ -154,6 +151,8 @@ class ShardedReplica:
     def __init__(self, replica, split: dict[str, int], mesh, twin=None):
         self.replica, self.split, self.mesh, self.twin = replica, split, mesh, twin
         self.last_batch = None  # (features, labels) this rank trained last: a round it sits out reuses them
+        self.data_workers = dist.get_world_size()  # every rank trains batches of its own
+        self.steps_on_empty_batches = False  # a rank without a batch steps with none (the gradient hook's part)
         self._gathered_at = None  # the replica's counters at the last gather
 
     # -- the step ------------------------------------------------------------------
@@ -279,6 +278,18 @@ def copy_counters(source, target) -> None:
     target.set_score(source.last_score)
 
 
+def _inputs_needing_gradients(module, args):
+    """The batch, marked as needing a gradient while training. FSDP reduces a unit's
+    gradients and frees its gathered weights when the gradient of its input is computed;
+    without one (the first layer's input is data) that waits until the backward has ended,
+    and the first layer's units all stay gathered, gradients and all, at the backward's
+    peak. The price is one more product in the first layer's backward."""
+    if not torch.is_grad_enabled():
+        return None
+    return tuple(a.detach().requires_grad_() if torch.is_tensor(a) and a.is_floating_point() and not a.requires_grad
+                 else a for a in args)
+
+
 def shard_replica(replica, mesh, twin=None) -> ShardedReplica:
     """Shard an initialised plain model in place: its (master) module split into units and
     handed to ``fully_shard``, its updater rebuilt over the shards with the state it had.
@@ -288,10 +299,13 @@ def shard_replica(replica, mesh, twin=None) -> ShardedReplica:
 
     stepped = stepped_module(replica)
     names = {id(p): n for n, p in stepped.named_parameters()}
-    state, groups = optimizer_state_by_name(replica.optimizer, names)
+    named = optimizer_state_by_name(replica.optimizer, names)
+    state, groups = named["state"], named["param_groups"]
     kernel = dict(replica.optimizer.defaults)
-    if kernel.get("fused"):  # DTensor has no sharding rule for the fused kernels: the foreach ones step shards
-        kernel.update(fused=False, foreach=True)
+    # The for-loop kernel: memory is why one shards, and the foreach kernels make temporaries
+    # of every shard at once (L2's gradient copies: +1/N of the weights at the update's peak);
+    # DTensor has no sharding rule for the fused ones anyway.
+    kernel.update(fused=False, foreach=False)
     optimizer_class = type(replica.optimizer)
     low = replica.module.parameters().__next__().dtype if replica.master is not None else None
     split = split_large_linears(stepped)
@@ -303,6 +317,7 @@ def shard_replica(replica, mesh, twin=None) -> ShardedReplica:
             fully_shard(unit, mesh=mesh, mp_policy=policy)
     # The masters, sharded, are what runs now: FSDP casts them to 16 bits for each gathered unit.
     replica.module, replica.master = stepped, None
+    stepped.register_forward_pre_hook(_inputs_needing_gradients)
     by_name = dict(stepped.named_parameters())
     new_groups = []
     for group in groups:
@@ -333,6 +348,6 @@ def shard_replica(replica, mesh, twin=None) -> ShardedReplica:
                                  {"state": blocked, "param_groups": param_groups},
                                  options=StateDictOptions(full_state_dict=True))
     sharded = ShardedReplica(replica, split, mesh, twin)
-    replica.sharding = sharded
+    replica.parallel_layout = sharded
     replica.share_gradients(sharded.gradient_hook)  # also drops the step made for the old module
     return sharded

@@ -123,6 +123,11 @@ def train_epoch(replica, rank, world, spec, source, device, report, listeners, s
     """One epoch of this worker's rounds; ``report`` (a RankReport) learns of a stop."""
     epoch = replica.epoch_count
     start = replica.batch_in_epoch  # > 0: resumed after an interrupt part-way through this epoch
+    layout = replica.parallel_layout
+    ranks = world  # every rank counts its batches and loss; tensor parallel ranks count the same ones
+    if layout is not None and layout.data_workers == 1:
+        # Tensor parallel: every rank trains the batches one worker would, together.
+        rank, world = 0, 1
     plan = RoundPlan(spec.num_batches, world, start) if spec.num_batches is not None else OpenRoundPlan(world, start)
     if plan.rounds is None and start % world:
         raise DataError(f"the model stopped after batch {start} of epoch {epoch}, which is not a whole round of "
@@ -157,7 +162,7 @@ def train_epoch(replica, rank, world, spec, source, device, report, listeners, s
             for round_index in range(plan.rounds) if plan.rounds is not None else itertools.count():
                 if plan.rounds is None:  # a streamed shard: go on while any worker has a batch
                     item = next(batches_in, None)
-                    in_round = _batches_in_round(item is not None, device)
+                    in_round = _batches_in_round(item is not None, device) * world // ranks  # tensor parallel: 1
                     if not in_round:
                         break
                     mine = item is not None
@@ -172,8 +177,8 @@ def train_epoch(replica, rank, world, spec, source, device, report, listeners, s
                     _, features, labels, mask = item
                     replica.set_mask(mask)  # padded sequences: the batch's own mask, as prepare_batch sets it
                     features = replica.prepare_input(features)  # dtype and memory format
-                    if replica.sharding is not None:  # a round it sits out runs a backward of these
-                        replica.sharding.remember(features, labels)
+                    if layout is not None:  # a round it sits out steps with these (parallel_layout)
+                        layout.remember(features, labels)
                     last_loss = tally.train(features, labels, f"worker {rank}, epoch {epoch}")
                     trained_since_average = True
                     if spec.record_examples:
@@ -183,6 +188,8 @@ def train_epoch(replica, rank, world, spec, source, device, report, listeners, s
                         # epoch's last batch, maybe shorter and another worker's, counts as full.
                         listener.iteration_done(replica, replica.iteration_count + trained, epoch, last_loss,
                                                 features.shape[0] * in_round)
+                elif layout is not None and layout.steps_on_empty_batches:
+                    replica.train_step(*layout.empty_batch())  # the hybrid's gather needs every rank's rows, even none
                 elif spec.options.training_mode in STEP_MODES:
                     replica.train_step(None, None)  # apply the shared update without a batch of its own
                 else:  # a streamed shard ran dry: its last window now, not after later averages
@@ -222,6 +229,8 @@ def train_epoch(replica, rank, world, spec, source, device, report, listeners, s
         replica.set_mask(None)  # no batch's mask outlives the epoch (a launched rank's replica is the user's model)
     totals = torch.tensor([tally.examples, tally.batches, float(tally.loss_sum)], dtype=torch.float64, device=device)
     dist.all_reduce(totals)
+    if ranks > world:  # tensor parallel: each rank counted the same batches
+        totals /= ranks
     all_examples, all_batches, all_loss = int(totals[0]), int(totals[1]), float(totals[2])
     if all_batches == 0 and start == 0 and report.stop is None:  # as the single-device loop says
         raise DataError(f"the data gave no batches in epoch {epoch} (worker {rank} of {world})")

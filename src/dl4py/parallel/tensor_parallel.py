@@ -1,0 +1,236 @@
+"""Tensor (model) parallel dense layers, and Krizhevsky's hybrid, on PyTorch's DTensor.
+
+Tensor mode (``"tensor"``): every rank trains the same batch; the weights of pairs of
+hidden dense layers are split across the ranks, the first of a pair by output columns
+(``ColwiseParallel``), the second by input rows (``RowwiseParallel``). The activation between
+them works on each rank's own columns, so a pair costs one all-reduce forward (the second
+layer's partial sums) and one backward (the gradient entering the first): Megatron's MLP.
+Every other parameter is replicated, and since all ranks compute it from the same all-reduced
+values, its gradient is identical everywhere without communication.
+
+Hybrid mode (``"hybrid"``; "One weird trick for parallelizing convolutional neural networks",
+Krizhevsky 2014): the layers before the first dense layer (convolutions: few weights, much
+arithmetic) are data-parallel, each rank on its own batch. At the first dense layer the ranks'
+activations are gathered along the batch, the dense layers run as in tensor mode on the whole
+gathered batch, and the loss is the mean over it (the labels are gathered too), so it is the
+single-process loss of the concatenated batch. Backward, each rank keeps its own rows' share
+of the gradient entering the gather; the convolutions' gradients are then summed across ranks
+(``TensorParallelPlan.gradient_hook``), since each rank's convolutions saw only its rows.
+
+Which layers split (``tensor_parallel_plan``): consecutive hidden dense layers pair up from
+the first; a hidden dense layer left over without a partner, and the output layer, stay
+replicated. Split alone, column-parallel would have to gather its output for the next layer
+(or the loss) and row-parallel would need its input scattered: a collective either way for a
+single layer, and the output layer is small (n_out classes) while the loss needs all of its
+columns on every rank. Sizes need not divide by the number of ranks: DTensor shards unevenly
+(``torch.chunk``'s split: 63 columns over 2 ranks are 32 + 31), and the pair's two halves are
+split alike, so the arithmetic is the single-process arithmetic (the tests check it on a
+63-unit layer). Only the order of the partial sums' addition differs (rounding).
+
+The ranks' batches in hybrid mode may differ in size, down to none (an epoch's last round):
+the gather exchanges the sizes first. But every rank must step in every round, with an
+empty batch where it has no data, since the gather is a collective. Layers the hybrid cannot
+train as one process would are refused (``gather_point``): batch normalization before the
+gather (each rank's statistics apart), dropout after it (each rank's own masks on the
+replicated batch).
+
+Not yet: a 2-D mesh (data groups x tensor groups, for more ranks than a dense layer should be
+split over): meshes have one dimension, all ranks, and in hybrid mode the data-parallel
+group is the tensor group. Precisions with float32 master weights or loss scaling
+(``bfloat16``, ``half``, ``mixed-fp16``; ``distributed_state``); ``float``, ``double`` and
+``mixed-bf16`` work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dl4py.errors import ConfigError
+from dl4py.parallel.distributed_state import parameter_names, rebuild_optimizer
+
+MODES = ("tensor", "hybrid")
+
+
+def tensor_parallel_plan(module: nn.Sequential) -> dict:
+    """``{"3.op": ColwiseParallel(), "4.op": RowwiseParallel(), ...}`` for a MultiLayerNetwork's
+    module: consecutive hidden dense layers (an ``nn.Linear`` op, not the last layer) in
+    column/row pairs. Empty when the network has fewer than two hidden dense layers in a row."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan, waiting = {}, None  # waiting: a dense layer still looking for its partner
+    last = len(module) - 1
+    for index, layer in enumerate(module):
+        dense = index < last and isinstance(_op(layer), nn.Linear)
+        if not dense:
+            waiting = None  # a pair is two dense layers in a row: nothing else between them
+        elif waiting is None:
+            waiting = index
+        else:
+            # The column shard stays a DTensor through the activation: it knows its global
+            # width, which a plain local tensor of an uneven shard (32 of 63) could not tell
+            # the row-parallel layer.
+            plan[f"{waiting}.op"] = ColwiseParallel(use_local_output=False)
+            plan[f"{index}.op"] = RowwiseParallel()
+            waiting = None
+    return plan
+
+
+def gather_point(module: nn.Sequential) -> int:
+    """Index of the first dense layer (its op an ``nn.Linear``), where the hybrid gathers the
+    batch; a ConfigError for a network the hybrid cannot train like a single process."""
+    dense = [index for index, layer in enumerate(module) if isinstance(_op(layer), nn.Linear)]
+    if not dense:
+        raise ConfigError("network.layers", "hybrid parallelism gathers the batch at the first dense layer "
+                          "(DenseLayer or OutputLayer), and this network has none")
+    for index, layer in enumerate(module):
+        if index < dense[0] and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in layer.modules()):
+            raise ConfigError(f"network.layers[{index}]", "batch normalization before the first dense layer would "
+                              "normalize each rank's rows apart under hybrid parallelism (not supported yet); "
+                              "use tensor parallelism or data parallelism for this network")
+        if index >= dense[0] and any(isinstance(m, nn.Dropout) for m in layer.modules()):
+            raise ConfigError(f"network.layers[{index}]", "dropout on the gathered batch would draw a different "
+                              "mask on each rank under hybrid parallelism (not supported yet); move it before "
+                              "the first dense layer or use tensor parallelism")
+    return dense[0]
+
+
+@dataclass
+class TensorParallelPlan:
+    """What the rank program needs to run a converted replica (``apply_tensor_parallel``)."""
+
+    mode: str  # "tensor" or "hybrid"
+    world: int
+    layers: dict  # parallelize_module's plan: module name -> ParallelStyle
+    # Hybrid: the names of the data-parallel parameters, whose gradients the hook sums.
+    data_parallel: list[str] = field(default_factory=list)
+    gradient_hook: object = None  # hook(took_part) for Model.share_gradients; None: nothing to share
+
+    @property
+    def data_workers(self) -> int:
+        """How many workers the data plan deals batches to: tensor mode trains one stream of
+        batches on every rank, the hybrid one stream per rank."""
+        return 1 if self.mode == "tensor" else self.world
+
+    def batch_index(self, round_index: int, rank: int) -> int:
+        """The batch ``rank`` trains in round ``round_index``: in tensor mode batch r on every
+        rank (what a single worker reads), in hybrid mode batch r*W + i (the usual rounds).
+        In hybrid mode every rank must step in every round, with an empty batch (no rows)
+        where the data has run out: the gather is a collective."""
+        return round_index if self.mode == "tensor" else round_index * self.world + rank
+
+
+def apply_tensor_parallel(replica, mesh, hybrid: bool = False) -> TensorParallelPlan:
+    """Convert an initialised MultiLayerNetwork ``replica`` in place, on every rank of the
+    1-D ``mesh`` (``init_device_mesh(device_type, (world,))``): its dense pairs split, its
+    optimizer rebuilt over the new parameters with its state split alike; with ``hybrid``
+    the layers before the first dense layer stay data-parallel. Install the returned plan's
+    ``gradient_hook`` with ``replica.share_gradients`` (before the first ``train_step``:
+    that rebuilds the step over the new parameters). Example::
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        plan = apply_tensor_parallel(replica, mesh, hybrid=True)
+        replica.share_gradients(plan.gradient_hook)
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if mesh.ndim != 1:
+        raise NotImplementedError(f"tensor parallelism runs on a 1-D device mesh for now, got {mesh.ndim} dimensions")
+    if getattr(replica, "kind", None) != "multilayer":
+        raise TypeError(f"tensor parallelism needs a MultiLayerNetwork, got {type(replica).__name__}")
+    replica.init()
+    module = replica.module
+    if any(isinstance(p, DTensor) for p in module.parameters()):
+        raise RuntimeError("apply_tensor_parallel: this replica is already distributed; convert a fresh copy")
+    layers = tensor_parallel_plan(module)
+    gather_at = gather_point(module) if hybrid else None  # checked before anything changes
+    names = parameter_names(replica)
+    if layers:
+        parallelize_module(module, mesh, layers)
+    rebuild_optimizer(replica, names)
+    plan = TensorParallelPlan("hybrid" if hybrid else "tensor", mesh.size(), layers)
+    if hybrid:
+        group = mesh.get_group()
+        module[gather_at].register_forward_pre_hook(lambda _layer, args: (gather_rows(args[0], group),) + args[1:])
+        replica.loss = _GatheredLoss(replica.loss, group)  # labels join their gathered rows
+        plan.data_parallel = [name for name, p in module[:gather_at].named_parameters() if p.requires_grad]
+        params = [p for p in module[:gather_at].parameters() if p.requires_grad]
+
+        def share(took_part):
+            if not took_part:  # the others wait in the gather for this rank's rows: stop loudly
+                raise RuntimeError(
+                    f"hybrid parallelism: rank {dist.get_rank()} stepped without a batch; every rank "
+                    "must step in every round, with an empty batch (no rows) where its data ran out"
+                )
+            if params:
+                sum_gradients(params, group)
+
+        plan.gradient_hook = share
+    return plan
+
+
+class _GatherRows(torch.autograd.Function):
+    """All ranks' rows, concatenated in rank order; backward, this rank's rows of the gradient.
+    The gradient arriving is whole on every rank (the dense layers make it so: replicated, or
+    all-reduced at the column-parallel layer's input), so taking one's rows needs no message."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, group) -> torch.Tensor:
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        count = torch.tensor([rows.shape[0]], dtype=torch.int64, device=rows.device)
+        counts = [torch.zeros_like(count) for _ in range(world)]
+        dist.all_gather(counts, count, group=group)
+        counts = [int(c) for c in counts]  # batches may differ (an epoch's last, an empty one)
+        most = max(counts)
+        padded = rows.new_zeros((most, *rows.shape[1:]))
+        padded[: rows.shape[0]] = rows
+        gathered = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(gathered, padded.contiguous(), group=group)
+        ctx.start = sum(counts[:rank])
+        ctx.stop = ctx.start + counts[rank]
+        return torch.cat([g[:n] for g, n in zip(gathered, counts)])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad[ctx.start:ctx.stop], None
+
+
+def gather_rows(rows: torch.Tensor, group=None) -> torch.Tensor:
+    """Every rank's ``rows`` concatenated along dimension 0 in rank order (a collective);
+    differentiable: each rank's gradient is its own rows' part of the whole one."""
+    return _GatherRows.apply(rows, group)
+
+
+class _GatheredLoss:
+    """The model's loss on the gathered batch: labels gathered as the features were."""
+
+    def __init__(self, loss, group):
+        self.loss, self.group = loss, group
+
+    def __call__(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            labels = gather_rows(labels, self.group)
+        return self.loss(outputs, labels)
+
+
+@torch.no_grad()
+def sum_gradients(params: list[torch.Tensor], group=None) -> None:
+    """All-reduce the gradients of ``params`` to their sum over the ranks, in one flat buffer
+    (the hybrid's loss is already the mean over the whole gathered batch: a sum, not a mean)."""
+    for p in params:
+        if p.grad is None:  # a layer this rank's (empty) batch did not reach
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat, group=group)
+    for p, value in zip(params, flat.split([p.numel() for p in params])):
+        # Copied in, not replaced: a channels_last weight's gradient keeps its layout, which
+        # torch's fused optimizers assume (nn/serialization.py).
+        p.grad.copy_(value.view(p.shape))
+
+
+def _op(layer: nn.Module) -> nn.Module | None:
+    return layer.op if isinstance(layer, nn.Sequential) and "op" in layer._modules else None

@@ -1,0 +1,234 @@
+"""Sharded data parallelism (``training_mode="sharded"``, FSDP2) on CPU with gloo, and the
+tensor-parallel and hybrid modes as the ParallelWrapper runs them (their arithmetic on a
+LeNet-like net: tests/test_tensor_parallel.py).
+
+Each update of a sharded fit is the shared-gradients mode's: the mean gradient of the
+round's batches, applied once. So a 2-worker sharded fit over batches of 8 ends where a
+single process ends that steps once per round on the round's batches together (16
+examples; the last round, which worker 1 sits out, on worker 0's batch alone).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dl4py import (
+    Adam,
+    ArrayDataSetIterator,
+    DenseLayer,
+    InputType,
+    MultiLayerNetwork,
+    NetworkConfig,
+    OutputLayer,
+    Sgd,
+)
+from dl4py.nn.loading import load
+from dl4py.parallel import ParallelWrapper
+from dl4py.parallel.sharding import RowBlocks, row_blocks, split_large_linears
+
+WORKERS, BATCH, EXAMPLES = 2, 8, 70  # 9 batches, the last of 6: worker 1 sits the 5th round out
+
+
+def network(updater) -> NetworkConfig:
+    # 64 -> 17,000 holds 1,088,000 weights, over 1/16 of them all and over 2**20: gathered in 2 row blocks.
+    return NetworkConfig(layers=[DenseLayer(n_out=64, activation="tanh"), DenseLayer(n_out=17_000, activation="relu"),
+                                 OutputLayer(n_out=3)],
+                         input_type=InputType.feed_forward(5), updater=updater, seed=7)
+
+
+def toy_data():
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(EXAMPLES, 5, generator=generator)
+    return x, (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
+
+
+def rounds(x, y):
+    """The batches a single process steps on: each round's batches together."""
+    starts = list(range(0, EXAMPLES, BATCH))
+    for r in range(0, len(starts), WORKERS):
+        end = min(starts[min(r + WORKERS, len(starts)) - 1] + BATCH, EXAMPLES)
+        yield x[starts[r]:end], y[starts[r]:end]
+
+
+def single_process(updater, epochs):
+    net = MultiLayerNetwork(network(updater)).init()
+    x, y = toy_data()
+    for _ in range(epochs):
+        for features, labels in rounds(x, y):
+            net.train_step(net.prepare_input(features), labels)
+    return net
+
+
+def sharded_fit(net, epochs):
+    x, y = toy_data()
+    ParallelWrapper(net, workers=WORKERS, training_mode="sharded").fit(
+        ArrayDataSetIterator(x, y, batch_size=BATCH, shuffle=False), epochs=epochs)
+    return net
+
+
+def largest_gap(a, b) -> float:
+    return max((p - q).abs().max().item() for p, q in zip(a.module.state_dict().values(), b.module.state_dict().values()))
+
+
+@pytest.mark.parametrize("updater, tolerance", [(Sgd(0.1), 1e-5), (Adam(1e-3), 1e-4)], ids=["sgd", "adam"])
+def test_sharded_training_ends_with_the_single_process_parameters(updater, tolerance):
+    sharded = sharded_fit(MultiLayerNetwork(network(updater)).init(), epochs=2)
+    reference = single_process(updater, epochs=2)
+    assert largest_gap(sharded, reference) < tolerance
+    assert sharded.iteration_count == 18 and sharded.epoch_count == 2
+    # The updater state came back whole too (momentum / Adam's moments), under the plain names.
+    ours, theirs = sharded.optimizer.state_dict()["state"], reference.optimizer.state_dict()["state"]
+    assert ours.keys() == theirs.keys()
+    for index in theirs:
+        for key, value in theirs[index].items():
+            assert (ours[index][key].float() - value.float()).abs().max().item() < tolerance, (index, key)
+
+
+def test_sharded_to_single_process_to_sharded_is_bit_exact(tmp_path):
+    """One sharded epoch, saved; loaded and saved again by a single process; one more sharded
+    epoch from that file: the same bits as two sharded epochs in a row."""
+    straight = sharded_fit(MultiLayerNetwork(network(Adam(1e-3))).init(), epochs=2)
+    first = sharded_fit(MultiLayerNetwork(network(Adam(1e-3))).init(), epochs=1)
+    first.save(tmp_path / "sharded.zip")
+    single = load(tmp_path / "sharded.zip")
+    for (name, a), b in zip(first.module.state_dict().items(), single.module.state_dict().values()):
+        assert torch.equal(a, b), name
+    single.save(tmp_path / "single.zip")
+    resumed = sharded_fit(load(tmp_path / "single.zip"), epochs=1)
+    for (name, a), b in zip(straight.module.state_dict().items(), resumed.module.state_dict().values()):
+        assert torch.equal(a, b), name
+    for index, state in straight.optimizer.state_dict()["state"].items():
+        for key, value in state.items():
+            assert torch.equal(resumed.optimizer.state_dict()["state"][index][key], value), (index, key)
+
+
+def test_large_dense_layers_are_split_into_row_blocks_that_compute_the_same():
+    # The seed-sized MLP 784-4000-4000-10: its 4000 x 4000 layer in blocks of at most 19.2M / 16.
+    assert row_blocks(16_000_000, 19_190_010) == 14 and row_blocks(3_136_000, 19_190_010) == 3
+    assert row_blocks(1_000_000, 1_100_000) == 1  # under 2**20: one unit whatever its share
+    net = MultiLayerNetwork(network(Sgd(0.1))).init()
+    x, _ = toy_data()
+    before = net.module(x)
+    split = split_large_linears(net.module)
+    assert split == {"1.op": 2}
+    assert isinstance(net.module[1].op, RowBlocks)
+    assert torch.allclose(net.module(x), before, atol=1e-6)
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "mixed-bf16"])
+def test_16_bit_precisions_train_sharded_with_float32_master_shards(precision, tmp_path):
+    """FSDP's mixed precision: float32 shards, gathered in 16 bits; the result matches the
+    single process's to 16-bit rounding, and the saved model keeps its precision."""
+    sharded = sharded_fit(MultiLayerNetwork(network(Sgd(0.1)), precision=precision).init(), epochs=1)
+    reference = MultiLayerNetwork(network(Sgd(0.1)), precision=precision).init()
+    x, y = toy_data()
+    for features, labels in rounds(x, y):
+        reference.train_step(reference.prepare_input(features), labels)
+    assert largest_gap(sharded, reference) < 1e-2  # bf16 keeps 8 bits: steps of 0.1 * gradients
+    sharded.save(tmp_path / "m.zip")
+    again = load(tmp_path / "m.zip")
+    assert again.precision.name == precision
+    if sharded.master is not None:  # bfloat16: its float32 masters came back whole
+        for a, b in zip(sharded.master.master_module.parameters(), again.master.master_module.parameters()):
+            assert torch.equal(a, b)
+
+
+def test_early_stopping_scores_the_gathered_model(tmp_path):
+    from dl4py.parallel import EarlyStoppingParallelTrainer
+    from dl4py.train.early_stopping import (
+        DataSetLossCalculator,
+        EarlyStoppingConfiguration,
+        LocalFileModelSaver,
+        MaxEpochs,
+    )
+
+    x, y = toy_data()
+    validation = ArrayDataSetIterator(x, y, batch_size=35, shuffle=False)
+    config = EarlyStoppingConfiguration(score_calculator=DataSetLossCalculator(validation),
+                                        epoch_conditions=[MaxEpochs(2)], model_saver=LocalFileModelSaver(tmp_path))
+    trainer = EarlyStoppingParallelTrainer(config, MultiLayerNetwork(network(Sgd(0.1))),
+                                           ArrayDataSetIterator(x, y, batch_size=BATCH, shuffle=False),
+                                           workers=WORKERS, training_mode="sharded")
+    with trainer:
+        result = trainer.fit()
+    assert result.total_epochs == 2 and sorted(result.score_vs_epoch) == [0, 1]
+    reference = single_process(Sgd(0.1), epochs=2)
+    # Epoch 2's score is the loss of the gathered model: the single process's, to float rounding.
+    assert result.score_vs_epoch[1] == pytest.approx(reference.score(validation), rel=1e-5)
+    best = load(tmp_path / "bestModel.dl4py")
+    assert best.score(validation) == pytest.approx(result.best_model_score, rel=1e-6)
+
+
+class KilledOnRank1(ArrayDataSetIterator):
+    """Kills worker 1 at its third batch, in the middle of the ranks' collectives."""
+
+    def _batch(self, indices):
+        import os
+        import signal
+
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_rank() == 1:
+            self._served = getattr(self, "_served", 0) + 1
+            if self._served == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super()._batch(indices)
+
+
+def test_a_killed_rank_stops_the_sharded_fit_naming_it():
+    import multiprocessing
+    import time
+
+    from dl4py.errors import WorkerError
+
+    x, y = toy_data()
+    net = MultiLayerNetwork(network(Sgd(0.1))).init()
+    before = [p.detach().clone() for p in net.module.parameters()]
+    started = time.monotonic()
+    with pytest.raises(WorkerError, match=r"worker 1 \(device cpu\) failed: was killed by SIGKILL") as info:
+        ParallelWrapper(net, workers=WORKERS, training_mode="sharded", prefetch_buffer=0).fit(
+            KilledOnRank1(x, y, batch_size=BATCH, shuffle=False), epochs=20)
+    assert time.monotonic() - started < 30
+    assert info.value.rank == 1
+    assert multiprocessing.active_children() == []
+    assert all(torch.equal(a, b) for a, b in zip(before, net.module.parameters()))  # untouched
+
+
+@pytest.mark.parametrize("mode", ["tensor", "hybrid"])
+def test_tensor_and_hybrid_fits_end_with_the_single_process_parameters(mode):
+    """Tensor mode: both ranks train every batch together (one stream, dense pairs split), as
+    one process on the same batches. Hybrid on a dense network: each rank its own batch,
+    gathered at the first layer, as one process on each round's batches; in the last round
+    worker 1 steps with an empty batch."""
+    x, y = toy_data()
+    net = MultiLayerNetwork(network(Sgd(0.1))).init()
+    ParallelWrapper(net, workers=WORKERS, training_mode=mode).fit(
+        ArrayDataSetIterator(x, y, batch_size=BATCH, shuffle=False), epochs=2)
+    if mode == "tensor":
+        reference = MultiLayerNetwork(network(Sgd(0.1))).init()
+        for _ in range(2):
+            for start in range(0, EXAMPLES, BATCH):
+                reference.train_step(reference.prepare_input(x[start:start + BATCH]), y[start:start + BATCH])
+    else:
+        reference = single_process(Sgd(0.1), epochs=2)
+    assert largest_gap(net, reference) < 1e-5
+    assert (net.epoch_count, net.iteration_count) == (2, 18)  # batches of the data, not counted per rank
+
+
+def test_the_parallelism_key_names_the_plan():
+    from dl4py.config.run import TrainingConfig
+    from dl4py.errors import ConfigError
+
+    def mode(**training):
+        return TrainingConfig.from_dict({"workers": 2, **training}, "training").parallel_options().training_mode
+
+    assert mode(parallelism="sharded") == "sharded" and mode(parallelism="tensor") == "tensor"
+    assert mode(parallelism={"conv": "data", "dense": "tensor"}) == "hybrid"
+    assert mode(parallelism="data", training_mode="shared_gradients") == "shared_gradients"
+    with pytest.raises(ConfigError, match=r"training.parallelism: per kind of layer"):
+        mode(parallelism={"conv": "tensor", "dense": "data"})
+    with pytest.raises(ConfigError, match=r"training.parallelism: and training_mode \('shared_gradients'\) both"):
+        mode(parallelism="sharded", training_mode="shared_gradients")
+    with pytest.raises(ConfigError, match=r"training.parallelism: applies to parallel training only"):
+        TrainingConfig.from_dict({"workers": 1, "parallelism": "sharded"}, "training")
