@@ -232,3 +232,13 @@ def test_the_parallelism_key_names_the_plan():
         mode(parallelism="sharded", training_mode="shared_gradients")
     with pytest.raises(ConfigError, match=r"training.parallelism: applies to parallel training only"):
         TrainingConfig.from_dict({"workers": 1, "parallelism": "sharded"}, "training")
+
+
+def test_accumulation_with_the_sharded_mode_is_refused_before_any_worker_starts():
+    from dl4py.errors import ConfigError
+
+    x, y = toy_data()
+    net = MultiLayerNetwork(network(Sgd(0.1))).init().set_accumulate_batches(2)
+    with pytest.raises(ConfigError, match="training.accumulate_batches: is not supported with training_mode 'sharded'"):
+        ParallelWrapper(net, workers=WORKERS, training_mode="sharded").fit(
+            ArrayDataSetIterator(x, y, batch_size=BATCH, shuffle=False))

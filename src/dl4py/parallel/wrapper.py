@@ -196,6 +196,11 @@ class ParallelWrapper:
         from dl4py.nn.torch_model import TorchModel
 
         cpu_workers = sum(1 for rank in range(world) if devices[rank % len(devices)] == "cpu")
+        if self.options.training_mode == "sharded" and self.model.accumulate_batches > 1:
+            # FSDP reduces every backward's gradients, and a rank sitting a round out would
+            # have to join each backward of its window: not done yet.
+            raise ConfigError("training.accumulate_batches", "is not supported with training_mode 'sharded' yet: "
+                                                             "use a larger batch, or the shared_gradients mode")
         return WorkerSpec(
             model_file="",  # written by the launcher, as of the fit's start
             torch_model=self.model if isinstance(self.model, TorchModel) else None,
