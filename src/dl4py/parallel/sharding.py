@@ -110,6 +110,13 @@ def blocked_names(name: str, split: dict[str, int]) -> list[str] | None:
     return None
 
 
+def plain_name(name: str, split: dict[str, int]) -> str:
+    """The plain model's name for a sharded model's parameter (``1.op.parts.3.weight`` ->
+    ``1.op.weight``); other names are the same in both."""
+    layer, _, rest = name.partition(".parts.")
+    return f"{layer}.{rest.rpartition('.')[2]}" if rest and layer in split else name
+
+
 def to_blocked(state: dict[str, torch.Tensor], split: dict[str, int]) -> dict[str, torch.Tensor]:
     """A plain state (by parameter name) with the split layers' tensors cut into row blocks."""
     out = {}
@@ -124,18 +131,13 @@ def to_blocked(state: dict[str, torch.Tensor], split: dict[str, int]) -> dict[st
 
 def to_plain(state: dict[str, torch.Tensor], split: dict[str, int]) -> dict[str, torch.Tensor]:
     """The inverse of ``to_blocked``: row blocks joined back into their layer's tensor."""
-    out, joined = {}, set()
+    out = {}
     for name in state:
-        parts = name.split(".parts.")
-        layer = parts[0] if len(parts) == 2 else None
-        if layer in split:
-            leaf = name.rpartition(".")[2]
-            plain = f"{layer}.{leaf}"
-            if plain not in joined:
-                out[plain] = torch.cat([state[f"{layer}.parts.{j}.{leaf}"] for j in range(split[layer])], dim=0)
-                joined.add(plain)
-        else:
+        plain = plain_name(name, split)
+        if plain == name:
             out[name] = state[name]
+        elif plain not in out:
+            out[plain] = torch.cat([state[n] for n in blocked_names(plain, split)], dim=0)
     return out
 
 
@@ -189,10 +191,10 @@ class ShardedReplica:
             module.train(was_training)
 
     # -- the whole model -------------------------------------------------------------
-    def gather(self, to_all: bool = False):
-        """Collect the full parameters, buffers and updater state into the twin (on every
-        rank with ``to_all``, else on rank 0 only, the others' twin being None); collective:
-        every rank calls it. Returns the twin, its counters those of the replica."""
+    def gather(self):
+        """Collect the full parameters, buffers and updater state into the twin (rank 0's;
+        the others' is None). A collective: every rank calls it. Returns the twin, its
+        counters those of the replica."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -203,15 +205,15 @@ class ShardedReplica:
         if moment == self._gathered_at:  # nothing trained since: the same on every rank
             return self.twin
         self._gathered_at = moment
-        options = StateDictOptions(full_state_dict=True, cpu_offload=not to_all)
+        # cpu_offload: the whole state lands on rank 0 only, on its host, a unit at a time.
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         module = self.replica.module
         model_state = get_model_state_dict(module, options=options)
         optim_state = get_optimizer_state_dict(module, self.replica.optimizer, options=options)
         if self.twin is None:
             return None
         load_into_plain(self.twin, to_plain(model_state, self.split),
-                        {name: {k: v for k, v in s.items()} for name, s in
-                         _joined_optimizer_state(optim_state["state"], self.split).items()},
+                        _joined_optimizer_state(optim_state["state"], self.split),
                         _plain_groups(optim_state["param_groups"], self.split))
         copy_counters(self.replica, self.twin)
         return self.twin
@@ -231,24 +233,14 @@ def _joined_optimizer_state(state: dict, split: dict[str, int]) -> dict:
         for name, value in to_plain(shaped, split).items():
             joined.setdefault(name, {})[key] = value
         for name, value in scalars.items():
-            parts = name.split(".parts.")
-            plain = f"{parts[0]}.{name.rpartition('.')[2]}" if len(parts) == 2 and parts[0] in split else name
-            joined.setdefault(plain, {}).setdefault(key, value)
+            joined.setdefault(plain_name(name, split), {}).setdefault(key, value)
     return joined
 
 
 def _plain_groups(groups: list[dict], split: dict[str, int]) -> list[dict]:
-    out = []
-    for group in groups:
-        names, seen = [], set()
-        for name in group["params"]:
-            parts = name.split(".parts.")
-            plain = f"{parts[0]}.{name.rpartition('.')[2]}" if len(parts) == 2 and parts[0] in split else name
-            if plain not in seen:
-                names.append(plain)
-                seen.add(plain)
-        out.append({**group, "params": names})
-    return out
+    """The updater's groups with each split layer's blocks named once, as the layer."""
+    return [{**group, "params": list(dict.fromkeys(plain_name(n, split) for n in group["params"]))}
+            for group in groups]
 
 
 @torch.no_grad()
