@@ -27,6 +27,8 @@ from dl4py.nn.loading import load
 from dl4py.parallel import ParallelWrapper
 from dl4py.parallel.sharding import RowBlocks, row_blocks, split_large_linears
 
+from toy import DiesInItsThirdBatch  # noqa: E402
+
 WORKERS, BATCH, EXAMPLES = 2, 8, 70  # 9 batches, the last of 6: worker 1 sits the 5th round out
 
 
@@ -171,22 +173,6 @@ def test_early_stopping_scores_the_gathered_model(tmp_path):
     assert best.score(validation) == pytest.approx(result.best_model_score, rel=1e-6)
 
 
-class KilledOnRank1(ArrayDataSetIterator):
-    """Kills worker 1 at its third batch, in the middle of the ranks' collectives."""
-
-    def _batch(self, indices):
-        import os
-        import signal
-
-        import torch.distributed as dist
-
-        if dist.is_initialized() and dist.get_rank() == 1:
-            self._served = getattr(self, "_served", 0) + 1
-            if self._served == 3:
-                os.kill(os.getpid(), signal.SIGKILL)
-        return super()._batch(indices)
-
-
 def test_a_killed_rank_stops_the_sharded_fit_naming_it():
     import multiprocessing
     import time
@@ -199,7 +185,7 @@ def test_a_killed_rank_stops_the_sharded_fit_naming_it():
     started = time.monotonic()
     with pytest.raises(WorkerError, match=r"worker 1 \(device cpu\) failed: was killed by SIGKILL") as info:
         ParallelWrapper(net, workers=WORKERS, training_mode="sharded", prefetch_buffer=0).fit(
-            KilledOnRank1(x, y, batch_size=BATCH, shuffle=False), epochs=20)
+            DiesInItsThirdBatch(x, y, batch_size=BATCH, shuffle=False), epochs=20)
     assert time.monotonic() - started < 30
     assert info.value.rank == 1
     assert multiprocessing.active_children() == []

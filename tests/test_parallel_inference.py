@@ -14,16 +14,10 @@ import torch
 from dl4py import (
     ConfigError,
     DataError,
-    DenseLayer,
     InferenceError,
-    InputType,
     MnistDataSetIterator,
     MultiLayerNetwork,
-    NetworkConfig,
-    NormalizerStandardize,
-    OutputLayer,
     ParallelInference,
-    Sgd,
 )
 
 REQUESTS, THREADS = 2000, 16
@@ -33,16 +27,9 @@ REQUESTS, THREADS = 2000, 16
 def trained():
     """An MLP trained one epoch on 512 MNIST images, with a standardizing normalizer, and
     2,000 test images with ``model.output``'s answer for each, asked one example at a time."""
-    from conftest import mnist_dir
+    from toy import trained_mnist_mlp
 
-    if mnist_dir() is None:
-        pytest.skip("MNIST files not found: set DL4PY_DATA to a folder holding mnist/")
-    train = MnistDataSetIterator(64, train=True, seed=1, limit=512)
-    config = NetworkConfig(seed=3, updater=Sgd(learning_rate=0.1), input_type=InputType.feed_forward(784),
-                           layers=[DenseLayer(n_out=32, activation="relu"), OutputLayer(n_out=10)])
-    model = MultiLayerNetwork(config, backend="cpu").init()
-    model.set_normalizer(NormalizerStandardize().fit(train.features))
-    model.fit(train, epochs=1, verbose=0)
+    model = trained_mnist_mlp(examples=512, batch=64)
     x = MnistDataSetIterator(REQUESTS, train=False, shuffle=False, limit=REQUESTS).features
     expected = torch.cat([model.output(x[i:i + 1]) for i in range(REQUESTS)])
     return model, x, expected

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import signal
 import time
 
 import pytest
@@ -18,7 +17,7 @@ from dl4py.parallel import EarlyStoppingParallelTrainer, ParallelWrapper
 from dl4py.train.early_stopping import DataSetLossCalculator, EarlyStoppingConfiguration, MaxEpochs
 from dl4py.train.early_stopping.conditions import IterationTerminationCondition
 
-from toy import mlp, toy  # noqa: E402
+from toy import DiesInItsThirdBatch, mlp, toy  # noqa: E402
 
 BATCH, BATCHES = 16, 8  # 4 rounds of two workers an epoch
 
@@ -117,17 +116,6 @@ def test_a_fit_after_a_mid_epoch_stop_reads_only_its_own_dealt_batches(prefetch_
         assert seen == list(range(1000 + 4 * BATCH, 1000 + BATCHES * BATCH))
         assert trainer.wrapper._pool.starts == 1
     assert _no_workers_left()
-
-
-class DiesInItsThirdBatch(ArrayDataSetIterator):
-    def _batch(self, indices):
-        import torch.distributed as dist
-
-        if dist.is_initialized() and dist.get_rank() == 1:
-            self._served = getattr(self, "_served", 0) + 1
-            if self._served == 3:
-                os.kill(os.getpid(), signal.SIGKILL)
-        return super()._batch(indices)
 
 
 class UnreadableAfterTwoBatches(PlainIterator):

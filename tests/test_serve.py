@@ -28,17 +28,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 aiohttp = pytest.importorskip("aiohttp")
 
-from dl4py import (  # noqa: E402
-    DenseLayer,
-    InputType,
-    MnistDataSetIterator,
-    MultiLayerNetwork,
-    NetworkConfig,
-    NormalizerStandardize,
-    OutputLayer,
-    Sgd,
-    TorchModel,
-)
+from dl4py import MnistDataSetIterator, TorchModel  # noqa: E402
 from dl4py.errors import MissingDependencyError  # noqa: E402
 from dl4py.serve import PredictionServer, make_app  # noqa: E402
 
@@ -50,16 +40,9 @@ LIMIT = 256 * 1024  # max_body_bytes of the servers here: a few dozen MNIST rows
 def trained():
     """An MLP trained one epoch on 1,000 MNIST images (with a standardizing normalizer), 512
     test images, ``model.output`` of each and each row as JSON text: (model, x, expected, rows)."""
-    from conftest import mnist_dir
+    from toy import trained_mnist_mlp
 
-    if mnist_dir() is None:
-        pytest.skip("MNIST files not found: set DL4PY_DATA to a folder holding mnist/")
-    train = MnistDataSetIterator(100, train=True, seed=1, limit=1000)
-    config = NetworkConfig(seed=3, updater=Sgd(learning_rate=0.1), input_type=InputType.feed_forward(784),
-                           layers=[DenseLayer(n_out=32, activation="relu"), OutputLayer(n_out=10)])
-    model = MultiLayerNetwork(config, backend="cpu").init()
-    model.set_normalizer(NormalizerStandardize().fit(train.features))
-    model.fit(train, epochs=1, verbose=0)
+    model = trained_mnist_mlp(examples=1000, batch=100)
     x = MnistDataSetIterator(ROWS, train=False, shuffle=False, limit=ROWS).features.numpy()
     rows = [json.dumps(row) for row in x.tolist()]  # float32 values: exact as JSON
     return model, x, model.output(x).numpy(), rows
