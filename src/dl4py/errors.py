@@ -87,3 +87,16 @@ class MissingDependencyError(DL4PyError, ImportError):
 class InferenceError(DL4PyError):
     """ParallelInference cannot take or answer a request: its queue stayed full for longer
     than its ``queue_timeout``, or it was closed."""
+
+
+def bind_error(exc: OSError, host: str, port: int, busy_hint: str = "") -> "ConfigError | None":
+    """The ConfigError for a server's socket that could not bind (``--port`` taken, ``--host``
+    not an address of this machine), or None for any other failure."""
+    import errno
+
+    if exc.errno == errno.EADDRINUSE:
+        return ConfigError("--port", f"port {port} on {host} is already in use{busy_hint}; choose another with "
+                                     "--port, or --port 0 for any free one")
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return ConfigError("--host", f"{host} is not an address of this machine")
+    return None

@@ -15,7 +15,6 @@ at the machine (or through an SSH tunnel).
 
 from __future__ import annotations
 
-import errno
 import json
 import socket
 from http import HTTPStatus
@@ -23,7 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
-from dl4py.errors import ConfigError
+from dl4py.errors import ConfigError, bind_error
 from dl4py.monitor.page import STATIC, STATIC_FILES, live_page, page_data, title_for
 from dl4py.monitor.runs import open_folders
 
@@ -47,11 +46,9 @@ class UIServer(ThreadingHTTPServer):
         except socket.gaierror as exc:
             raise ConfigError("--host", f"{host!r} is not a host name or address here: {exc.strerror}") from None
         except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise ConfigError("--port", f"port {port} on {host} is already in use (another dl4py ui?); "
-                                            "choose another with --port, or --port 0 for any free one") from None
-            if exc.errno == errno.EADDRNOTAVAIL:
-                raise ConfigError("--host", f"{host} is not an address of this machine") from None
+            error = bind_error(exc, host, port, busy_hint=" (another dl4py ui?)")
+            if error is not None:
+                raise error from None
             raise
 
     @property

@@ -14,14 +14,13 @@ the app's lifespan closes ParallelInference.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import signal
 import socket
 import threading
 import time
 
-from dl4py.errors import ConfigError, DL4PyError, MissingDependencyError
+from dl4py.errors import ConfigError, DL4PyError, MissingDependencyError, bind_error
 from dl4py.serve.app import make_app
 
 log = logging.getLogger("dl4py.serve")
@@ -145,11 +144,9 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.listen(2048)
     except OSError as exc:
         sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            raise ConfigError("--port", f"port {port} on {host} is already in use; choose another with --port, "
-                                        "or --port 0 for any free one") from None
-        if exc.errno == errno.EADDRNOTAVAIL:
-            raise ConfigError("--host", f"{host} is not an address of this machine") from None
+        error = bind_error(exc, host, port)
+        if error is not None:
+            raise error from None
         raise
     sock.set_inheritable(True)
     return sock
