@@ -239,3 +239,21 @@ def test_accumulation_with_the_sharded_mode_is_refused_before_any_worker_starts(
     with pytest.raises(ConfigError, match="training.accumulate_batches: is not supported with training_mode 'sharded'"):
         ParallelWrapper(net, workers=WORKERS, training_mode="sharded").fit(
             ArrayDataSetIterator(x, y, batch_size=BATCH, shuffle=False))
+
+
+def test_what_tensor_and_hybrid_cannot_train_is_refused_before_any_worker_starts():
+    from torch import nn
+
+    from dl4py import TorchModel
+    from dl4py.errors import ConfigError
+
+    x, y = toy_data()
+    data = ArrayDataSetIterator(x, y, batch_size=BATCH, shuffle=False)
+    torch_model = TorchModel(nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)), loss=nn.CrossEntropyLoss(),
+                             optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    with pytest.raises(ConfigError, match="training_mode: 'tensor' splits the dense layers of a MultiLayerNetwork; "
+                                          "this model is a TorchModel"):
+        ParallelWrapper(torch_model, workers=WORKERS, training_mode="tensor").fit(data)
+    with pytest.raises(ConfigError, match="training.precision: 'bfloat16' keeps float32 master weights"):
+        ParallelWrapper(MultiLayerNetwork(network(Sgd(0.1)), precision="bfloat16"), workers=WORKERS,
+                        training_mode="hybrid").fit(data)

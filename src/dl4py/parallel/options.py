@@ -118,3 +118,22 @@ def device_name(device, where: str) -> str:
 
 def _is_int(value, minimum: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def check_mode_fits_model(mode: str, model) -> None:
+    """A ConfigError, before any worker starts, for a distributed mode this model cannot
+    take (what the workers would otherwise find one by one)."""
+    if mode == "sharded" and model.accumulate_batches > 1:
+        # FSDP reduces every backward's gradients, and a rank sitting a round out would have
+        # to join each backward of its window: not done yet.
+        raise ConfigError("training.accumulate_batches", "is not supported with training_mode 'sharded' yet: "
+                                                         "use a larger batch, or the shared_gradients mode")
+    if mode in ("tensor", "hybrid"):
+        if model.kind != "multilayer":
+            raise ConfigError("training_mode", f"{mode!r} splits the dense layers of a MultiLayerNetwork; this "
+                                               f"model is a {type(model).__name__}: use 'sharded' or a data-parallel mode")
+        precision = model.precision
+        if precision.master_weights or precision.uses_loss_scaling:
+            raise ConfigError("training.precision", f"{precision.name!r} keeps float32 master weights or scales the "
+                                                    f"loss, which training_mode {mode!r} does not support yet: use "
+                                                    "'float', 'double' or 'mixed-bf16', or training_mode 'sharded'")

@@ -12,8 +12,8 @@ What is gathered at once is one *unit*. Units are the network's layers, and the 
 dense layer whose weight is more than 1/``UNIT_FRACTION`` of the network's parameters are
 split into blocks, each a unit of its own: the seed's MLP 784-4000-4000-10 has 83% of its
 weights in one layer, and gathering that whole layer (with its full gradient and the
-reduce-scatter buffer beside it) would leave a rank holding 84% of the single process's
-peak; in blocks it holds 57% (docs/model-parallel.md).
+reduce-scatter buffer beside it) would leave a rank of two holding 109% of the single
+process's peak; in blocks it holds 56% (docs/model-parallel.md).
 
 The model file stays whole: ``ShardedReplica.gather`` collects the full parameters and
 updater state into a plain, unsharded twin of the model (with the blocks joined back into

@@ -39,6 +39,7 @@ import torch
 
 from dl4py.backend.cuda_environment import environment
 from dl4py.errors import ConfigError
+from dl4py.parallel.options import check_mode_fits_model
 from dl4py.nn.model import Model, as_iterator
 from dl4py.nn.serialization import restore_state
 from dl4py.parallel.dl4j_options import note_dl4j_options
@@ -196,11 +197,7 @@ class ParallelWrapper:
         from dl4py.nn.torch_model import TorchModel
 
         cpu_workers = sum(1 for rank in range(world) if devices[rank % len(devices)] == "cpu")
-        if self.options.training_mode == "sharded" and self.model.accumulate_batches > 1:
-            # FSDP reduces every backward's gradients, and a rank sitting a round out would
-            # have to join each backward of its window: not done yet.
-            raise ConfigError("training.accumulate_batches", "is not supported with training_mode 'sharded' yet: "
-                                                             "use a larger batch, or the shared_gradients mode")
+        check_mode_fits_model(self.options.training_mode, self.model)
         return WorkerSpec(
             model_file="",  # written by the launcher, as of the fit's start
             torch_model=self.model if isinstance(self.model, TorchModel) else None,
