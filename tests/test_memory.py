@@ -414,3 +414,57 @@ def test_blocks_this_process_caches_but_does_not_use_count_as_free(monkeypatch):
     # A cap bounds what the allocator reserves: of it, all but what is in use is ours.
     with environment().temporarily(max_device_cache=4 * 2**30):
         assert device_memory("cuda:0").bytes == 4 * 2**30 - 256 * MiB
+
+
+# -- 16-bit convolutions computed in float32 (nn/convolution.py) -------------------------------
+
+def _upcast_cases() -> dict:
+    from dl4py import InputType, OutputLayer
+    from dl4py.config.layers import ConvolutionLayer, GlobalPoolingLayer
+    from dl4py.config.layers_extra import Deconvolution2D
+
+    def conf(input_type, *layers):
+        builder = NetworkConfig.builder().seed(7).updater(Adam(learning_rate=0.01))
+        for layer in layers:
+            builder.layer(layer)
+        return builder.input_type(input_type).build()
+
+    lenet = LENET.to_dict()
+    lenet["layers"][2] = {"type": "frozen", "layer": lenet["layers"][2]}  # its input's gradient only
+    return {
+        "deconvolution": conf(InputType.convolutional(12, 12, 2), ConvolutionLayer(n_out=8, kernel_size=3),
+                              Deconvolution2D(n_out=6, kernel_size=3, stride=2, padding=1),
+                              GlobalPoolingLayer(pooling_type="avg"), OutputLayer(n_out=10)),
+        "lenet, second convolution frozen": NetworkConfig.from_dict(lenet),
+    }
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 2**16], ids=["whole batch", "in chunks"])
+@pytest.mark.parametrize("name", ["deconvolution", "lenet, second convolution frozen"])
+def test_16bit_convolutions_computed_in_float32_are_estimated(name, chunk_bytes, monkeypatch):
+    # On a CPU without native bfloat16 kernels the convolutions run in float32, a chunk of
+    # examples at a time, with float32 copies around them (elsewhere PyTorch's own kernel).
+    # A small chunk budget makes these small networks convolve in several chunks.
+    from dl4py.nn import convolution
+
+    if chunk_bytes is not None:
+        monkeypatch.setattr(convolution, "CHUNK_BYTES", chunk_bytes)
+    config, batch = _upcast_cases()[name], 72
+    measured = _measured(config, batch, "bfloat16")
+    estimated = estimate(config, batch, "bfloat16", device="cpu").peak_bytes
+    assert abs(estimated / measured - 1) <= TOLERANCE, (name, batch, estimated, measured)
+
+
+def test_16bit_inference_with_float32_convolutions_is_estimated(monkeypatch):
+    from dl4py.nn import convolution
+
+    monkeypatch.setattr(convolution, "CHUNK_BYTES", 2**16)
+    config = _upcast_cases()["deconvolution"]
+    net = MultiLayerNetwork(config, backend="cpu", precision="bfloat16").init()
+    features = torch.rand(72, 2, 12, 12).to(torch.bfloat16)
+    tracker = LiveTensorBytes()
+    tracker.track(list(net.module.parameters()) + list(net.module.buffers()) + [features])
+    with torch.no_grad(), tracker:
+        net.module.eval()(features)
+    report = estimate(config, 72, "bfloat16", training=False, device="cpu")
+    assert abs(report.peak_bytes / tracker.peak - 1) <= TOLERANCE, (report.peak_bytes, tracker.peak)

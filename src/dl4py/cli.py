@@ -97,9 +97,9 @@ def _parser() -> argparse.ArgumentParser:
     memory.add_argument("--device", help="cuda (default), cuda:N or cpu; with no --device-memory, "
                                          "its free memory is read when it is present")
     memory.add_argument("--inference", action="store_true", help="inference only: no gradients, no updater")
-    memory.add_argument("--parallelism", choices=["single", "sharded"], default="single",
+    memory.add_argument("--parallelism", choices=["single", "sharded"],
                         help="sharded: one rank's memory when --workers ranks train sharded (FSDP2), "
-                             "each on its own batch")
+                             "each on its own batch (default: sharded when the config's training is)")
     memory.add_argument("--workers", type=int, help="ranks a sharded step is split over (default: training.workers)")
     memory.add_argument("--json", action="store_true")
 
@@ -368,6 +368,8 @@ def _memory(args) -> int:
         memory = None  # nothing to compare with: the report alone
     precision = args.precision or config.training.precision
     options = dict(precision=precision, device=device.type, training=not args.inference)
+    if args.parallelism is None:
+        args.parallelism = "sharded" if config.training.mode() == "sharded" else "single"
     if args.parallelism == "sharded":
         workers = args.workers if args.workers is not None else config.training.workers
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 2:
@@ -390,8 +392,11 @@ def _memory(args) -> int:
             and report.needed_bytes(memory.context_included) > memory.bytes:
         from dl4py.memory.sharded import fewest_workers
 
-        plan = fewest_workers(config, batch, memory.bytes, memory.context_included, precision=precision,
-                              device=device.type)
+        try:
+            plan = fewest_workers(config, batch, memory.bytes, memory.context_included, precision=precision,
+                                  device=device.type) or ()
+        except ConfigError:
+            pass  # a network or precision the sharded estimate does not model: no plan to offer
     answer = verdict(report, memory, largest, plan)
     if args.json:
         print(json.dumps({**report.to_dict(), **answer}, indent=2))

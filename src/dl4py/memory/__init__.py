@@ -3,6 +3,8 @@
 ``estimate`` answers from the config alone, before anything is allocated;
 ``max_batch_size`` and ``max_parameters`` invert it. ``measure_training_step`` measures
 the same quantity on a real step (on any device), which is how the estimate is checked.
+``estimate(..., parallelism="sharded", workers=N)`` gives one rank's step when N ranks
+train sharded (``memory.sharded``); ``measure_training_step`` measures it inside a rank.
 """
 
 from dl4py.memory.capacity import (

@@ -36,17 +36,44 @@ def max_parameters(
     updater: Updater | None = None,
     reserved_bytes: int | str = 0,
     gradients: bool = True,
+    shards: int = 1,
 ) -> int:
     """The most parameters that fit, activations aside. The seed's example, 6 GiB less a
     400 MiB reserve, parameters and momentum only, float: 752,877,568::
 
         max_parameters("6GiB", "float", Nesterovs(), reserved_bytes="400MiB", gradients=False)
+
+    ``shards=N``: the most a network trained sharded over N such devices may have. Each
+    device keeps 1/N of the ``b = bytes_per_parameter`` bytes of every parameter, and holds
+    besides a few gathered units, none over 1/UNIT_FRACTION (16) of the parameters: in
+    training 4 (the unit's parameters and full gradient, the next unit's all-gather output,
+    the previous unit's reduce-scatter input; ``g`` = 3 values and a stepped gradient per
+    element), in a forward alone 3 (``g`` = 3 values). So P parameters fit when
+    ``P * b / N + P * g / 16 <= memory - reserved``, that is, with F = 16::
+
+        P = (memory - reserved) * F * N // (F * b + g * N)
+
+    N times the single-device figure less the gathered units, and never more than
+    ``(memory - reserved) * 16 / g`` however many devices. (Units of up to 2^20 elements are
+    never split, which only matters under 16.8 million parameters.)
+    ``estimate(..., parallelism="sharded")`` answers for a given network, activations and all.
     """
     memory = parse_size(memory_bytes, "memory_bytes")
     reserved = 0 if reserved_bytes in (0, "0") else parse_size(reserved_bytes, "reserved_bytes")
     if reserved >= memory:
         raise ConfigError("reserved_bytes", f"{reserved:,} bytes leaves nothing of {memory:,}")
-    return (memory - reserved) // bytes_per_parameter(precision, updater, gradients)
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+        raise ConfigError("shards", f"must be a whole number of devices, 1 or more, got {shards!r}")
+    per_parameter = bytes_per_parameter(precision, updater, gradients)
+    if shards == 1:
+        return (memory - reserved) // per_parameter
+    from dl4py.parallel.sharding import UNIT_FRACTION
+
+    policy = resolve_precision(precision)
+    value = torch.empty((), dtype=policy.param_dtype).element_size()
+    stepped = 4 if policy.master_weights else value
+    gathered = 3 * value + stepped if gradients else 3 * value  # bytes per element of a unit
+    return (memory - reserved) * UNIT_FRACTION * shards // (UNIT_FRACTION * per_parameter + gathered * shards)
 
 
 def max_batch_size(

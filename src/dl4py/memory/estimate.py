@@ -27,6 +27,7 @@ from dl4py.memory.operations import Op
 from dl4py.memory.step_graph import StepGraph, chain_graph
 from dl4py.memory.timeline import Timeline
 from dl4py.memory.updater_memory import optimizer_implementation
+from dl4py.nn.convolution import upcasts_on_cpu
 
 MiB = 2**20
 # Outside PyTorch's allocator, so torch.cuda.memory_allocated never shows it: the CUDA
@@ -81,6 +82,9 @@ class MemoryReport:
     max_batch_by_elements: int  # the largest batch at which every tensor has < 2**31 elements
     fixed: dict = field(default_factory=dict)  # framework costs, by name
     layers: tuple = ()
+    parallelism: str = "single"  # or "sharded": then the bytes are one rank's of ``workers``
+    workers: int = 1
+    gathered_unit_bytes: int = 0  # sharded: the largest unit as gathered (all-gather output's size)
 
     @property
     def workspace_bytes(self) -> int:
@@ -124,12 +128,15 @@ def estimate(
     optimizer: str = "auto",
     data_bytes: int = 0,
     as_measured: bool = False,
+    parallelism: str = "single",
+    workers: int = 1,
 ) -> MemoryReport:
     """Memory of one step of ``config`` (a NetworkConfig, GraphConfig or RunConfig) at ``batch_size``.
 
     ``precision`` defaults to the run config's, else float; ``updater`` replaces the
     config's; ``device`` ("cuda" or "cpu") decides the fixed costs and how PyTorch
-    implements the update (``optimizer``: auto, loop, foreach, fused); ``data_bytes``
+    implements the update (``optimizer``: auto, loop, foreach, fused), and "cpu" means
+    this machine's CPU (whether it runs 16-bit convolutions in float32); ``data_bytes``
     is a data set kept on the device. ``as_measured`` replays the step as ``LiveTensorBytes``
     sees it: under a TorchDispatchMode autograd adds the parts of a gradient that forks out
     of place (a graph whose result feeds several vertices), where a plain step adds in
@@ -137,7 +144,19 @@ def estimate(
 
         report = estimate(lenet, batch_size=128, precision="bfloat16")
         print(report.total_bytes / 2**20, "MiB")
+
+    ``parallelism="sharded"`` with ``workers=N`` gives one rank's step when N ranks train
+    sharded (FSDP2), each on a batch of ``batch_size`` (``memory.sharded``).
     """
+    if parallelism == "sharded":
+        if not training:
+            raise ConfigError("parallelism", "sharded is a way to train; estimate inference with single")
+        from dl4py.memory.sharded import estimate_sharded
+
+        return estimate_sharded(config, batch_size, workers, precision, updater, device, optimizer,
+                                data_bytes, as_measured)
+    if parallelism != "single":
+        raise ConfigError("parallelism", f"must be single or sharded, got {parallelism!r}")
     network, run_precision = _network(config)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
         raise ConfigError("batch_size", f"must be a positive whole number, got {batch_size!r}")
@@ -149,7 +168,7 @@ def estimate(
     graph = graph_step(network, kernels) if isinstance(network, GraphConfig) else chain_graph(network, kernels)
     ops = graph.ops
     timeline = Timeline(_ALLOCATOR_GRANULE if device_type == "cuda" else 1)
-    sizes = _Sizes(policy, graph)
+    sizes = _Sizes(policy, graph, device_type)
     n = batch_size
 
     params = sum(op.param_elements for op in ops)
@@ -192,11 +211,15 @@ def estimate(
 class _Sizes:
     """Bytes per element of each kind of tensor under a precision policy, and of the batch."""
 
-    def __init__(self, policy, graph: StepGraph):
+    def __init__(self, policy, graph: StepGraph, device_type: str = "cuda"):
         self.param = _itemsize(policy.param_dtype)
         low = policy.autocast_dtype
         self.activation = _itemsize(low) if low is not None else self.param
         self.autocast = low is not None
+        # On this CPU, 16-bit convolutions run in float32, with float32 copies around them
+        # (nn/convolution.py), where it has no native kernels for the compute dtype.
+        compute = policy.param_dtype if low is None else low
+        self.upcast = device_type == "cpu" and upcasts_on_cpu(compute)
         self.state = 4 if policy.master_weights else self.param  # the updater steps these
         self.master = policy.master_weights
         self.input_elements = sum(graph.input_elements)

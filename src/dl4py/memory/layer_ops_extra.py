@@ -36,7 +36,7 @@ def extra_layer_ops(layer, index: int, shapes, config, l2: float, op_type, activ
     if isinstance(layer, Convolution1DLayer):
         weights = shapes.input.dims[1] * layer.n_out * layer.kernel_size
         params = ((weights, l2),) + (((layer.n_out, 0.0),) if layer.has_bias else ())
-        conv = Op(index, "conv1d", n_out, True, False, params=params, autocast=True)
+        conv = Op(index, "conv1d", n_out, True, False, params=params, autocast=True, upcast_on_cpu=True)
         return [conv, _contiguous(index, n_out, Op)] + activation_ops(
             index, layer.activation or config.activation, n_out)
     if isinstance(layer, Subsampling1DLayer):
@@ -51,7 +51,8 @@ def extra_layer_ops(layer, index: int, shapes, config, l2: float, op_type, activ
         kh, kw = layer.kernel_size
         weights = shapes.input.dims[0] * layer.n_out * kh * kw
         params = ((weights, l2),) + (((layer.n_out, 0.0),) if layer.has_bias else ())
-        return [Op(index, "conv_transpose2d", n_out, True, False, params=params, autocast=True)] + activation_ops(
+        deconv = Op(index, "conv_transpose2d", n_out, True, False, params=params, autocast=True, upcast_on_cpu=True)
+        return [deconv] + activation_ops(
             index, layer.activation or config.activation, n_out)
     if isinstance(layer, LayerNormalization):
         kind = shapes.input.kind

@@ -8,6 +8,12 @@ itself (PyTorch keeps the two together), so a weak reference to it reports the f
 Tensors that exist before the mode starts (parameters, optimizer state, the batch) are
 registered with ``track``.
 
+Sharded training (FSDP2) needs two more things, which ``measure_training_step`` switches
+on when the model's parameters are DTensors: a DTensor counts by its local shard (what
+the rank holds), and storages are re-read after each operator (``follow_resizes``),
+because FSDP2 gathers a unit's parameters into storages it grows and frees with
+``UntypedStorage.resize_``, which no operator reports.
+
 On a GPU, ``cuda_allocated_besides`` tells the step's own tensors from what the allocator
 also holds (cuBLAS' workspaces), so ``torch.cuda.max_memory_allocated`` can be compared
 with the estimate on the same terms.
@@ -22,13 +28,20 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed: no DTensor can exist
+    DTensor = ()
+
 
 class LiveTensorBytes(TorchDispatchMode):
     """Counts live storage bytes; ``peak`` is the most seen at once, ``peak_op`` where."""
 
-    def __init__(self):
+    def __init__(self, follow_resizes: bool = False):
         super().__init__()
         self._live: dict[int, int] = {}  # id(storage) -> bytes
+        self._storages: dict[int, weakref.ref] = {}  # id(storage) -> the storage, when following resizes
+        self.follow_resizes = follow_resizes
         self.current = 0
         self.peak = 0
         self.peak_op = "start"
@@ -40,6 +53,8 @@ class LiveTensorBytes(TorchDispatchMode):
         self._update_peak("start")
 
     def _see(self, tensor: torch.Tensor) -> None:
+        if isinstance(tensor, DTensor):  # a rank holds its shard, not the whole
+            tensor = tensor._local_tensor
         if tensor.device.type == "meta":
             return
         storage = tensor.untyped_storage()
@@ -47,14 +62,29 @@ class LiveTensorBytes(TorchDispatchMode):
         if key not in self._live:
             weakref.finalize(storage, self._free, key)
             self._live[key] = 0
+            if self.follow_resizes:
+                self._storages[key] = weakref.ref(storage)
         # A storage can grow in place (resize_ for an out= result): count its size now.
         self.current += size - self._live[key]
         self._live[key] = size
 
     def _free(self, key: int) -> None:
         self.current -= self._live.pop(key, 0)
+        self._storages.pop(key, None)
+
+    def _resync(self) -> None:
+        """Read again the size of each live storage: one resized outside any operator
+        (FSDP2's ``alloc_storage``/``free_storage``) counts at its size now."""
+        for key, ref in list(self._storages.items()):
+            storage = ref()
+            if storage is not None and key in self._live:
+                size = storage.nbytes()
+                self.current += size - self._live[key]
+                self._live[key] = size
 
     def _update_peak(self, where: str) -> None:
+        if self.follow_resizes:
+            self._resync()
         if self.current > self.peak:
             self.peak, self.peak_op = self.current, where
 
@@ -82,6 +112,10 @@ def measure_training_step(model, features: torch.Tensor, labels: torch.Tensor, w
     training (its first step creates it); two examples are enough for that. ``mask``
     (``[batch, time]``) is a padded sequence batch's, as SequenceDataSetIterator gives it;
     it counts with the batch.
+
+    Inside a rank of sharded training (a model ``shard_replica`` converted) it measures
+    that rank: its shards, its batch and what it gathers (``follow_resizes``). Every rank
+    must call it, as every rank takes part in each step's collectives.
     """
     from dl4py.train.step import make_train_step
 
@@ -97,7 +131,8 @@ def measure_training_step(model, features: torch.Tensor, labels: torch.Tensor, w
         step(features[:2], labels[:2])
     if mask is not None:
         model.set_mask(mask)
-    tracker = LiveTensorBytes()
+    sharded = any(isinstance(p, DTensor) for p in model.module.parameters())
+    tracker = LiveTensorBytes(follow_resizes=sharded)
     resident = resident_tensors(model) + [features, labels] + ([] if mask is None else [mask])
     tracker.track(resident)
     resident_bytes = tracker.current

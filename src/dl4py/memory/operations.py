@@ -76,6 +76,9 @@ class Op:
     # Its result is laid out [time, batch, size] under a [batch, time, size] view (an LSTM's
     # or GRU's on a CPU, and what multiplies it): a next LSTM/GRU reads it without a copy.
     time_major: bool = False
+    # A convolution: on a CPU without native kernels for its 16-bit dtype, dl4py computes it
+    # in float32 from the 16-bit values (nn/convolution.py), with float32 copies around it.
+    upcast_on_cpu: bool = False
 
     @property
     def param_elements(self) -> int:
@@ -126,8 +129,8 @@ def _unfrozen_layer_ops(layer: Layer, i: int, shapes: LayerShapes, config, devic
         kh, kw = layer.kernel_size
         weights = shapes.input.dims[0] * layer.n_out * kh * kw
         params = _params(weights, layer.n_out if layer.has_bias else 0, l2)
-        return [Op(i, "conv2d", n_out, True, False, params=params, autocast=True)] + _activation(
-            i, layer.activation or config.activation, n_out)
+        conv = Op(i, "conv2d", n_out, True, False, params=params, autocast=True, upcast_on_cpu=True)
+        return [conv] + _activation(i, layer.activation or config.activation, n_out)
     if isinstance(layer, SubsamplingLayer):
         if layer.pooling_type == "max":  # int64 indices of each maximum, kept for backward
             return [Op(i, "max_pool2d", n_out, True, False, extra_bytes=8.0 * n_out)]

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dl4py.memory.step_graph import StepGraph
 from dl4py.memory.timeline import Timeline
 from dl4py.memory.updater_memory import update_temporaries
+from dl4py.nn.convolution import chunk_examples
 
 
 class _Tensor:
@@ -124,7 +125,7 @@ def forward(graph: StepGraph, n: int, sizes, t: Timeline) -> tuple[_Step, dict[i
     for j, node in enumerate(nodes):
         op, phase = node.op, step.phase("forward", j)
         if not step.recorded[j]:  # as in inference (max pooling computes its indices anyway)
-            step.make_result(j, "forward")
+            _upcast_result(step, j, "forward")
             extra = t.alloc("activations", op.saved_extra_bytes(n), phase)
             t.free("activations", extra)
         else:
@@ -135,7 +136,12 @@ def forward(graph: StepGraph, n: int, sizes, t: Timeline) -> tuple[_Step, dict[i
                 for nbytes in copies:
                     t.alloc("activations", nbytes, phase)
                 step.input_copies[j] = copies
-            result = step.make_result(j, "forward")
+            result = _upcast_result(step, j, "forward")
+            if sizes.autocast and op.autocast and _upcasts(step, op):
+                # autocast's cache never saw these copies: what autograd did not save goes now
+                for elements, kept in _autocast_copies(step, j):
+                    if not kept:
+                        t.free("activations", elements * act)
             extra = op.saved_extra_bytes(n)
             t.alloc("activations", extra, phase)
             keeps = []
@@ -151,7 +157,7 @@ def forward(graph: StepGraph, n: int, sizes, t: Timeline) -> tuple[_Step, dict[i
             step.results[done].release()
     if sizes.autocast:  # leaving autocast frees the parameter copies autograd did not save
         for j in range(len(nodes)):
-            if step.recorded[j]:
+            if step.recorded[j] and not _upcasts(step, nodes[j].op):
                 for elements, kept in _autocast_copies(step, j):
                     if not kept:
                         t.free("activations", elements * act)
@@ -166,6 +172,46 @@ def forward(graph: StepGraph, n: int, sizes, t: Timeline) -> tuple[_Step, dict[i
         # (the log-softmax keeps its result), unless an operator saved them.
         step.results[head.node].release()
     return step, saved_bytes
+
+
+def _upcasts(step: _Step, op) -> bool:
+    """The operator is a convolution that this CPU computes in float32 (nn/convolution.py)."""
+    return step.sizes.upcast and op.upcast_on_cpu
+
+
+def _upcast_result(step: _Step, j: int, stage: str) -> _Tensor:
+    """Node j's result. A convolution computed in float32 from 16-bit values (nn/convolution.py)
+    makes float32 copies of its parameters, then, for each chunk of examples (``CHUNK_BYTES``),
+    a float32 copy of the chunk's input (freed when the kernel returns) and the chunk's float32
+    result, rounded into the 16-bit result (made at the first chunk) and then freed."""
+    op, t, phase = step.nodes[j].op, step.t, step.phase(stage, j)
+    if not _upcasts(step, op):
+        return step.make_result(j, stage)
+    chunk, more = _chunk(step, j)
+    params = 4 * op.param_elements
+    inputs, outputs = 4 * chunk * _input_elements(step, j), 4 * chunk * op.out_elements
+    t.alloc("workspace", params, phase)
+    t.alloc("workspace", inputs + outputs, phase)
+    t.free("workspace", inputs)
+    result = step.make_result(j, stage)
+    t.free("workspace", outputs)
+    if more:
+        t.alloc("workspace", inputs + outputs, phase)
+        t.free("workspace", inputs + outputs)
+    t.free("workspace", params)
+    return result
+
+
+def _chunk(step: _Step, j: int) -> tuple[int, bool]:
+    """Examples per chunk of node j's float32 convolution, and whether the batch has more than one."""
+    examples = chunk_examples(round(_input_elements(step, j)), step.nodes[j].op.out_elements)
+    return min(step.n, examples), step.n > examples
+
+
+def _input_elements(step: _Step, j: int) -> float:
+    """Elements of node j's inputs, per example."""
+    sources = step.nodes[j].sources
+    return sum(step.input_bytes(s) if s < 0 else step.result_bytes(s) for s in sources) / step.n / step.act
 
 
 def _loss_bytes_per_score(act: int) -> int:
@@ -209,6 +255,7 @@ def backward(step: _Step, in_place_accumulation: bool = True) -> None:
         # The gradients of its inputs (neither the batch nor a result that needs none gets one).
         if op.stepwise_backward:  # each step's saved values are gone before the gradients are whole
             t.free("activations", op.saved_extra_bytes(n))
+        _upcast_input_gradient(step, j, phase)
         grads = []
         unneeded = 0.0  # a fused kernel's input gradients that nothing needs, dropped at once
         for i, s in enumerate(node.sources):
@@ -224,6 +271,7 @@ def backward(step: _Step, in_place_accumulation: bool = True) -> None:
         scratch = t.alloc("workspace", unneeded + n * (node.scratch_elements * act + node.scratch_bytes
                                                        + op.backward_scratch_elements * act
                                                        + op.backward_scratch_bytes), phase)
+        wide_grads = _upcast_parameter_gradients(step, j, phase)
         cast = sizes.autocast and op.autocast and op.params and not op.frozen
         # The parameters' gradients: under autocast, first in 16 bits (for the cast copy).
         if cast:
@@ -232,6 +280,7 @@ def backward(step: _Step, in_place_accumulation: bool = True) -> None:
         elif not op.frozen:
             t.alloc("gradients", op.param_elements * sizes.param, phase)
         t.free("workspace", scratch)  # its kernel returned them with the parameters' gradients
+        t.free("workspace", wide_grads)  # and the float32 sums are rounded
         # The node is done: it frees the gradient it consumed, and what it saved.
         grad_out.release()
         if not op.stepwise_backward:
@@ -252,6 +301,51 @@ def backward(step: _Step, in_place_accumulation: bool = True) -> None:
             _deliver(step, buffers, s, grad, whole, in_place_accumulation)
     for grad, _ in buffers.values():  # gradients no recorded node consumes (none in a trained graph)
         grad.release()
+
+
+def _upcast_input_gradient(step: _Step, j: int, phase: str) -> float:
+    """The backward of a convolution computed in float32 from 16-bit values, up to its input's
+    gradient, where that needs one: a float32 copy of its weight, then for each chunk of
+    examples float32 copies of the chunk's gradient (freed when the kernel returns) and of the
+    chunk's input gradient, rounded into the 16-bit input gradient (made at the first chunk:
+    it is the gradient the node gives, allocated next, so here only for the moment)."""
+    node, t = step.nodes[j], step.t
+    op = node.op
+    needed = sum(step.result_bytes(s) for s in node.sources if s >= 0 and step.recorded[s])
+    if not _upcasts(step, op) or not needed:
+        return 0.0
+    chunk, more = _chunk(step, j)
+    weight = 4 * op.params[0][0]
+    grad, wide = 4 * chunk * op.out_elements, 4 * chunk * needed / step.n / step.act
+    t.alloc("workspace", weight, phase)
+    t.alloc("workspace", grad + wide, phase)
+    t.free("workspace", grad)
+    t.alloc("workspace", needed, phase)
+    t.free("workspace", wide)
+    if more:
+        t.alloc("workspace", grad + wide, phase)
+        t.free("workspace", grad + wide)
+    t.free("workspace", weight + needed)
+    return 0.0
+
+
+def _upcast_parameter_gradients(step: _Step, j: int, phase: str) -> float:
+    """Then, unless it is frozen, its parameters' gradients: for each chunk float32 copies of
+    the chunk's gradient and input (freed when the kernel returns) and the chunk's parameter
+    gradients in float32, summed into the first chunk's. Returns the sum's bytes, freed once
+    rounded (the rounding is the parameters' gradients, made next)."""
+    op, t = step.nodes[j].op, step.t
+    if not _upcasts(step, op) or op.frozen:
+        return 0.0
+    chunk, more = _chunk(step, j)
+    copies = 4 * chunk * (op.out_elements + _input_elements(step, j))
+    params = 4 * op.param_elements
+    t.alloc("workspace", copies + params, phase)
+    t.free("workspace", copies)
+    if more:
+        t.alloc("workspace", copies + params, phase)
+        t.free("workspace", copies + params)
+    return params
 
 
 def _deliver(step: _Step, buffers: dict, node: int, grad: _Tensor, whole: bool, in_place: bool) -> None:
@@ -286,6 +380,6 @@ def inference(graph: StepGraph, n: int, sizes, t: Timeline) -> None:
     step = _Step(graph, n, sizes, t)
     releases = step.releases()
     for j in range(len(step.nodes)):
-        step.make_result(j, "inference")
+        _upcast_result(step, j, "inference")
         for done in releases.get(j, ()):
             step.results[done].release()

@@ -10,13 +10,22 @@ def mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:,.1f} MiB"
 
 
-def verdict(report: MemoryReport, memory: DeviceMemory | None, largest_batch: int | None) -> dict:
+def verdict(report: MemoryReport, memory: DeviceMemory | None, largest_batch: int | None,
+            sharded_plan: tuple | None = None) -> dict:
+    """The answer for ``memory``. ``sharded_plan``, for a step that does not fit one device:
+    (N, one rank's report) for the fewest devices it would fit sharded over
+    (``sharded.fewest_workers``), () when none would, None when not looked for."""
     if memory is None:
         return {}
     needed = report.needed_bytes(memory.context_included)
-    return {"device_memory": memory.bytes, "device_memory_source": memory.source, "needed_bytes": needed,
-            "fits": needed <= memory.bytes, "largest_batch_size": largest_batch,
-            "largest_batch_is_element_limit": largest_batch == report.max_batch_by_elements}
+    answer = {"device_memory": memory.bytes, "device_memory_source": memory.source, "needed_bytes": needed,
+              "fits": needed <= memory.bytes, "largest_batch_size": largest_batch,
+              "largest_batch_is_element_limit": largest_batch == report.max_batch_by_elements}
+    if not answer["fits"] and sharded_plan is not None:
+        answer["sharded_plan"] = None if not sharded_plan else {
+            "workers": sharded_plan[0],
+            "needed_bytes_per_device": sharded_plan[1].needed_bytes(memory.context_included)}
+    return answer
 
 
 def format_report(report: MemoryReport, answer: dict) -> str:
@@ -24,6 +33,12 @@ def format_report(report: MemoryReport, answer: dict) -> str:
     update = f", {report.optimizer} update" if report.training else ""
     lines = [f"Memory of one {mode}: batch {report.batch_size:,}, precision {report.precision}, "
              f"updater {report.updater}{update}, on {report.device_type}", ""]
+    if report.parallelism == "sharded":
+        lines[0] = (f"Memory of one rank of {report.workers:,} in a sharded training step (FSDP2): batch "
+                    f"{report.batch_size:,} per rank, precision {report.precision}, updater {report.updater}"
+                    f"{update}, on {report.device_type}")
+        lines.insert(1, "Parameters, gradients and updater state are 1/N per rank; one layer (or row block) "
+                        "at a time is gathered whole. The table shows whole layers.")
     rows = [("#", "layer", "output", "params", "param bytes", "saved for backward")]
     for row in report.layers:
         rows.append((str(row.index), row.type_name, row.output_shape, f"{row.parameters:,}",
@@ -42,6 +57,8 @@ def format_report(report: MemoryReport, answer: dict) -> str:
     if report.training:
         parts += [("activations saved", mib(report.activation_bytes))]
     at_peak = ", ".join(f"{kind} {mib(n)}" for kind, n in report.at_peak.items() if n)
+    if report.parallelism == "sharded":
+        parts += [("largest unit gathered", mib(report.gathered_unit_bytes))]
     parts += [("peak of the step", f"{mib(report.peak_bytes)} in {report.peak_phase}"),
               ("  alive at the peak", at_peak)]
     for name, n in report.fixed.items():
@@ -57,7 +74,17 @@ def format_report(report: MemoryReport, answer: dict) -> str:
         lines.append(f"device memory: {answer['device_memory_source']}")
         share = answer["needed_bytes"] / answer["device_memory"]
         word = "FITS" if answer["fits"] else "DOES NOT FIT"
-        lines.append(f"{word}: needs {mib(answer['needed_bytes'])} of {mib(answer['device_memory'])} ({share:.1%})")
+        each = " per device" if report.parallelism == "sharded" else ""
+        lines.append(f"{word}: needs {mib(answer['needed_bytes'])}{each} of {mib(answer['device_memory'])} "
+                     f"({share:.1%})")
+        if "sharded_plan" in answer:
+            plan = answer["sharded_plan"]
+            lines.append(
+                f"does not fit one {mib(answer['device_memory'])} device; sharded over {plan['workers']:,} devices: "
+                f"{mib(plan['needed_bytes_per_device'])} per device (training.parallelism: sharded, "
+                f"training.workers: {plan['workers']}; each on a batch of {report.batch_size:,})" if plan else
+                f"does not fit one {mib(answer['device_memory'])} device, nor sharded over any number at batch "
+                f"{report.batch_size:,}: a rank's own activations do not fit; lower the batch size")
         largest = answer["largest_batch_size"]
         if largest is not None:
             at_limit = answer["largest_batch_is_element_limit"]

@@ -31,6 +31,7 @@ from dl4py.config.layers import (
 from dl4py.config.frozen import is_frozen, unfrozen
 from dl4py.config.layers_extra import EXTRA_LAYERS
 from dl4py.config.network import NetworkConfig
+from dl4py.nn.convolution import Conv2d
 from dl4py.nn.layers_extra import extra_parts
 
 ACTIVATIONS = {
@@ -152,7 +153,7 @@ def _layer_parts(
             return linear, None
         return linear, _activation(layer, config)
     if isinstance(layer, ConvolutionLayer):
-        conv = nn.Conv2d(
+        conv = Conv2d(
             shape.dims[0], layer.n_out, layer.kernel_size, layer.stride, layer.padding,
             layer.dilation, bias=layer.has_bias,
         )

@@ -29,6 +29,7 @@ from dl4py.config.layers_extra import (
     ZeroPaddingLayer,
 )
 from dl4py.errors import DataError
+from dl4py.nn.convolution import Conv1d, ConvTranspose2d
 from dl4py.nn.recurrent import SequenceMask, _zero_padding
 
 
@@ -126,8 +127,8 @@ def extra_parts(layer, shape, config, gen, masks: SequenceMask | None, where: st
         return ACTIVATIONS[getattr(layer, "activation", None) or config.activation]()
 
     if isinstance(layer, Convolution1DLayer):
-        conv = nn.Conv1d(shape.dims[1], layer.n_out, layer.kernel_size, layer.stride, layer.padding,
-                         layer.dilation, bias=layer.has_bias)
+        conv = Conv1d(shape.dims[1], layer.n_out, layer.kernel_size, layer.stride, layer.padding,
+                      layer.dilation, bias=layer.has_bias)
         _init(conv, scheme, gen, init_weight)
         span = layer.dilation * (layer.kernel_size - 1) + 1
         return _SequenceWindow(conv, masks, where, span, layer.padding), activation()
@@ -140,8 +141,8 @@ def extra_parts(layer, shape, config, gen, masks: SequenceMask | None, where: st
     if isinstance(layer, Upsampling2D):
         return nn.Upsample(scale_factor=tuple(float(s) for s in layer.size), mode="nearest"), None
     if isinstance(layer, Deconvolution2D):
-        conv = nn.ConvTranspose2d(shape.dims[0], layer.n_out, layer.kernel_size, layer.stride, layer.padding,
-                                  dilation=layer.dilation, bias=layer.has_bias)
+        conv = ConvTranspose2d(shape.dims[0], layer.n_out, layer.kernel_size, layer.stride, layer.padding,
+                               dilation=layer.dilation, bias=layer.has_bias)
         # The weight is [in, out, kh, kw]: transposed, the fans are those of a convolution
         # from n_in to n_out channels, as DL4J counts them.
         init_weight(conv.weight.transpose(0, 1), scheme, gen)
