@@ -26,10 +26,11 @@ def free_port() -> int:
 
 @pytest.mark.parametrize("mode", ["averaging", "shared_gradients", "sharded"])
 def test_two_torchrun_nodes_match_the_single_node_run(tmp_path, mode):
+    from torchrun_train import main as train_and_save
+
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{HERE}", "OMP_NUM_THREADS": "1"}
     single = tmp_path / "single.dl4py"
-    subprocess.run([sys.executable, str(HERE / "torchrun_train.py"), str(single), mode],
-                   env=env, check=True, timeout=300, capture_output=True)
+    train_and_save(str(single), mode)  # the same job on one node: spawned workers, in this process
 
     port = free_port()
     multi = tmp_path / "multi.dl4py"

@@ -1,5 +1,6 @@
 """Launched by tests/test_multinode.py under torchrun: trains with a ParallelWrapper and
-saves the result (rank 0). Also runnable without torchrun, where it spawns its workers."""
+saves the result (rank 0). Called without torchrun (the test's single-node reference, in
+its own process), it spawns its workers."""
 
 import sys
 
@@ -18,8 +19,8 @@ def main(out: str, mode: str) -> None:
     model = MultiLayerNetwork(config, backend="cpu")
     options = {"averaging_frequency": 2} if mode == "averaging" else {}
     workers = None if launched_by_torchrun() else 2
-    ParallelWrapper(model, workers=workers, training_mode=mode, **options).fit(
-        ArrayDataSetIterator(x, y, batch_size=16, shuffle=True, seed=3), epochs=2)
+    with ParallelWrapper(model, workers=workers, training_mode=mode, **options) as wrapper:
+        wrapper.fit(ArrayDataSetIterator(x, y, batch_size=16, shuffle=True, seed=3), epochs=2)
     import os
 
     if os.environ.get("RANK", "0") == "0":
