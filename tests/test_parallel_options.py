@@ -21,6 +21,12 @@ from toy import mlp  # noqa: E402
     ({"workers": 2, "averaging_frequency": 0}, "averaging_frequency: must be a positive integer, got 0"),
     ({"workers": 2, "training_mode": "shared_gradients", "report_score_after_averaging": True},
      "report_score_after_averaging: applies to training_mode 'averaging' only"),
+    ({"workers": 4, "training_mode": "tensor", "tensor_parallel_size": 3},
+     "tensor_parallel_size: is 3, which does not divide the 4 workers into tensor-parallel groups"),
+    ({"workers": 2, "training_mode": "hybrid", "tensor_parallel_size": 0},
+     "tensor_parallel_size: must be a positive integer, got 0"),
+    ({"workers": 4, "training_mode": "shared_gradients", "tensor_parallel_size": 2},
+     "tensor_parallel_size: applies to training_mode 'tensor' or 'hybrid' only, not 'shared_gradients'"),
 ])
 def test_the_wrapper_and_the_training_section_refuse_a_value_in_the_same_words(values, message):
     net = MultiLayerNetwork(mlp())

@@ -283,7 +283,7 @@ def _parallel_options(training, listeners: list) -> tuple[dict, list]:
         workers=training.workers, prefetch_buffer=training.prefetch_buffer,
         averaging_frequency=training.averaging_frequency,
         report_score_after_averaging=training.report_score_after_averaging,
-        training_mode=training.mode(),
+        training_mode=training.mode(), tensor_parallel_size=training.tensor_parallel_size,
     )
     return options, [l for l in listeners if not isinstance(l, PerformanceListener)]
 

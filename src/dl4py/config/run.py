@@ -211,6 +211,8 @@ class TrainingConfig(ConfigBase):
     # kind of layer, {conv: data, dense: tensor} (the hybrid). Sets training_mode; null: unset.
     parallelism: Union[Literal["data", "sharded", "tensor"], dict[str, str], None] = None
     averaging_frequency: Optional[int] = None  # rounds between averages (default 1)
+    # tensor / hybrid: ranks each dense pair is split over, dividing workers (null: all of them)
+    tensor_parallel_size: Optional[int] = None
     prefetch_buffer: int = 16  # batches each worker keeps ready
     report_score_after_averaging: bool = False
     early_stopping: Optional[EarlyStoppingSection] = None
@@ -227,7 +229,8 @@ class TrainingConfig(ConfigBase):
         checked_batches(self.accumulate_batches, join(where, "accumulate_batches"))
         if self.workers == 1:  # options of the parallel trainer must not be silently ignored
             for name, inert in (("training_mode", "averaging"), ("averaging_frequency", None),
-                                ("report_score_after_averaging", False), ("parallelism", None)):
+                                ("report_score_after_averaging", False), ("parallelism", None),
+                                ("tensor_parallel_size", None)):
                 if getattr(self, name) != inert:
                     raise ConfigError(join(where, name), "applies to parallel training only: set training.workers > 1")
         self.mode(where)
@@ -257,7 +260,7 @@ class TrainingConfig(ConfigBase):
         return ParallelOptions(workers=self.workers, prefetch_buffer=self.prefetch_buffer,
                                averaging_frequency=self.averaging_frequency,
                                report_score_after_averaging=self.report_score_after_averaging,
-                               training_mode=self.mode())
+                               training_mode=self.mode(), tensor_parallel_size=self.tensor_parallel_size)
 
 
 @dataclass(frozen=True)

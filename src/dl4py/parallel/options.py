@@ -38,6 +38,9 @@ class ParallelOptions:
       parallel convolutions, tensor parallel dense layers — ``parallel/tensor_parallel.py``).
     - ``devices``: e.g. ``["cuda:0", "cuda:1"]`` or ``["cpu"]`` (default: the model's backend).
     - ``timeout``: seconds any wait on another process may last before it is an error.
+    - ``tensor_parallel_size``: ranks each dense pair is split over (``"tensor"``, ``"hybrid"``;
+      it divides ``workers``): the workers form ``workers / size`` data-parallel groups of
+      that many (a 2-D device mesh). Default: all workers, one group.
     """
 
     workers: int | None = None
@@ -48,6 +51,7 @@ class ParallelOptions:
     training_mode: str = "averaging"
     devices: tuple[str, ...] | None = None
     timeout: float = 300.0
+    tensor_parallel_size: int | None = None
 
     @classmethod
     def names(cls) -> list[str]:
@@ -81,6 +85,15 @@ class ParallelOptions:
                 raise ConfigError(key(name), f"must be true or false, got {value!r}")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
             raise ConfigError(key("timeout"), f"must be a positive number of seconds, got {self.timeout!r}")
+        size = self.tensor_parallel_size
+        if size is not None:
+            if self.training_mode not in ("tensor", "hybrid"):
+                raise ConfigError(key("tensor_parallel_size"), f"applies to training_mode 'tensor' or 'hybrid' only, "
+                                                               f"not {self.training_mode!r}")
+            if not _is_int(size, minimum=1):
+                raise ConfigError(key("tensor_parallel_size"), f"must be a positive integer, got {size!r}")
+            if self.workers is not None:
+                self.mesh_shape(self.workers, key("tensor_parallel_size"))
         devices = self.devices
         if devices is not None:
             if isinstance(devices, (str, torch.device)) or not hasattr(devices, "__iter__"):
@@ -100,6 +113,19 @@ class ParallelOptions:
     @property
     def averages_updater_state(self) -> bool:
         return self.average_updaters is not False
+
+    def mesh_shape(self, world: int, where: str = "tensor_parallel_size") -> tuple[int, ...]:
+        """The device mesh of a tensor or hybrid fit over ``world`` ranks: ``(world,)``, or
+        ``(data groups, tensor_parallel_size)``; a ConfigError (at ``where``) when the size
+        does not divide ``world`` (checked again where the number of ranks is known: a
+        default or torchrun's)."""
+        size = self.tensor_parallel_size
+        if size is None or size == world:
+            return (world,)
+        if world % size:
+            raise ConfigError(where, f"is {size}, which does not divide the {world} workers into tensor-parallel "
+                                     "groups: use a divisor of the number of workers")
+        return (world // size, size)
 
 
 def device_name(device, where: str) -> str:

@@ -57,13 +57,13 @@ def run_rank(rank: int, world: int, spec: WorkerSpec, source, *, should_stop=Non
     broadcast(replica_state(replica, include_updater=True), src=0)
     if replica.master is not None:
         replica.master.master_to_module()
-    sharded = None  # the layout of a sharded, tensor-parallel or hybrid fit
+    layout = None  # how a sharded, tensor-parallel or hybrid fit's replica is laid out
     if spec.options.training_mode in DISTRIBUTED_MODES:
         # The plain replica stays whole on rank 0 (what is saved, scored and shown to the
         # listeners, filled by each gather); a private copy of it is trained distributed.
-        sharded = _distributed_copy(replica, spec, device, keep_twin=rank == 0)
-        replica = sharded.replica
-        listeners = [TwinListener(listener, sharded) for listener in listeners]
+        layout = _distributed_copy(replica, spec, device, keep_twin=rank == 0)
+        replica = layout.replica
+        listeners = [TwinListener(listener, layout) for listener in listeners]
     if spec.options.training_mode == "shared_gradients":
         params = stepped_parameters(replica)
 
@@ -83,8 +83,8 @@ def run_rank(rank: int, world: int, spec: WorkerSpec, source, *, should_stop=Non
             if report.stop is not None or not summary.completed:
                 break  # an iteration condition fired, or a stop was asked for: all stopped in the same round
             judged = replica
-            if sharded is not None:
-                judged = sharded.gather()  # every rank takes part; rank 0's twin holds the epoch's state
+            if layout is not None:
+                judged = layout.gather()  # every rank takes part; rank 0's twin holds the epoch's state
             for listener in listeners:
                 listener.on_epoch_end(replica, summary)
             # Asked even after a stop voted in the epoch's last round: the relay has sent the
@@ -93,8 +93,8 @@ def run_rank(rank: int, world: int, spec: WorkerSpec, source, *, should_stop=Non
                 break
             if report.interrupted:
                 break  # asked in the epoch's last round: the epoch is complete
-        if sharded is not None:
-            sharded.gather()  # every rank, as all leave the loop together: rank 0's twin takes the final state
+        if layout is not None:
+            layout.gather()  # every rank, as all leave the loop together: rank 0's twin takes the final state
     finally:
         # Under torchrun the replica is the program's own model: its later fits are its own.
         replica.share_gradients(None)
@@ -104,12 +104,12 @@ def run_rank(rank: int, world: int, spec: WorkerSpec, source, *, should_stop=Non
             listener.on_fit_end(replica, report.interrupted)
     if spec.record_examples:
         report.records = torch.cat(report.records).tolist() if report.records else []
-    if sharded is not None:
+    if layout is not None:
         # Rank 0's twin holds the state. Under torchrun every rank's model takes it (rank 0's
         # file, sent to all); in a pool only worker 0 keeps it: asked of all, so all agree.
         others_keep = torch.tensor([1.0 if keep_state and rank != 0 else 0.0], device=device)
         dist.all_reduce(others_keep, op=dist.ReduceOp.MAX)
-        state = [model_bytes(sharded.twin) if rank == 0 and keep_state else None]
+        state = [model_bytes(layout.twin) if rank == 0 and keep_state else None]
         if others_keep.item() > 0:
             dist.broadcast_object_list(state, src=0)
         report.state = state[0] if keep_state else None
@@ -135,7 +135,9 @@ def _distributed_copy(replica, spec: WorkerSpec, device, keep_twin: bool):
         torch_model = private_copy(torch_model)  # under torchrun: never convert the program's own model
     working = build_replica(replace(spec, model_file=state_of(replica), torch_model=torch_model), device)
     working.module.train()
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    # Tensor and hybrid with tensor_parallel_size: data groups x tensor groups.
+    shape = spec.options.mesh_shape(dist.get_world_size())
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=("data", "tensor") if len(shape) == 2 else None)
     twin = replica if keep_twin else None
     if mode == "sharded":
         from dl4py.parallel.sharding import shard_replica
@@ -152,19 +154,20 @@ def _distributed_copy(replica, spec: WorkerSpec, device, keep_twin: bool):
 
 
 class TwinListener:
-    """A listener of a sharded fit: it is shown the plain twin (rank 0's), its counters and
-    score those of the sharded replica, its parameters as of the last gather (each epoch's end)."""
+    """A listener of a sharded, tensor-parallel or hybrid fit: it is shown the plain twin
+    (rank 0's), its counters and score those of the distributed replica, its parameters as
+    of the last gather (each epoch's end)."""
 
-    def __init__(self, listener, sharded):
-        self.listener, self.sharded = listener, sharded
+    def __init__(self, listener, layout):
+        self.listener, self.layout = listener, layout
 
     def _twin(self):
         from dl4py.parallel.sharding import copy_counters
 
-        if self.sharded.twin is None:  # a rank without the twin: its own (sharded) replica
-            return self.sharded.replica
-        copy_counters(self.sharded.replica, self.sharded.twin)
-        return self.sharded.twin
+        if self.layout.twin is None:  # a rank without the twin: its own (distributed) replica
+            return self.layout.replica
+        copy_counters(self.layout.replica, self.layout.twin)
+        return self.layout.twin
 
     def on_fit_start(self, model):
         self.listener.on_fit_start(self._twin())

@@ -34,11 +34,15 @@ train as one process would are refused (``gather_point``): batch normalization b
 gather (each rank's statistics apart), dropout after it (each rank's own masks on the
 replicated batch).
 
-Not yet: a 2-D mesh (data groups x tensor groups, for more ranks than a dense layer should be
-split over): meshes have one dimension, all ranks, and in hybrid mode the data-parallel
-group is the tensor group. Precisions with float32 master weights or loss scaling
-(``bfloat16``, ``half``, ``mixed-fp16``; ``distributed_state``); ``float``, ``double`` and
-``mixed-bf16`` work.
+A 2-D mesh (``("data", "tensor")``, ``tensor_parallel_size`` T of W ranks): rank r is in
+data group r // T at tensor position r % T. The dense pairs split over the ranks of one
+tensor group (the "tensor" sub-mesh) and the hybrid gathers within it; the W / T groups are
+data-parallel: after each backward every gradient (a split weight's local shard, a whole
+parameter) is averaged over the "data" sub-mesh, over the groups that had rows. So a step is
+one update on the round's batches together, the mean of the groups' mean gradients.
+
+Not yet: precisions with float32 master weights or loss scaling (``bfloat16``, ``half``,
+``mixed-fp16``; ``distributed_state``); ``float``, ``double`` and ``mixed-bf16`` work.
 """
 
 from __future__ import annotations
@@ -108,38 +112,51 @@ class TensorParallelPlan:
     # Hybrid: the names of the data-parallel parameters, whose gradients the hook sums.
     data_parallel: list[str] = field(default_factory=list)
     gradient_hook: object = None  # hook(took_part) for Model.share_gradients; None: nothing to share
+    data_groups: int = 1  # a 2-D mesh's data-parallel groups (its "data" size); 1: a 1-D mesh
 
     @property
     def data_workers(self) -> int:
         """How many workers the data plan deals batches to: tensor mode trains one stream of
-        batches on every rank, the hybrid one stream per rank."""
-        return 1 if self.mode == "tensor" else self.world
+        batches per data group (on each of its ranks), the hybrid one stream per rank."""
+        return self.data_groups if self.mode == "tensor" else self.world
+
+    def data_rank(self, rank: int) -> int:
+        """Which of the ``data_workers`` streams ``rank`` reads: its data group's in tensor
+        mode (the ranks of a tensor group train the same batches), its own in the hybrid."""
+        return rank // (self.world // self.data_groups) if self.mode == "tensor" else rank
 
     def batch_index(self, round_index: int, rank: int) -> int:
-        """The batch ``rank`` trains in round ``round_index``: in tensor mode batch r on every
-        rank (what a single worker reads), in hybrid mode batch r*W + i (the usual rounds).
-        In hybrid mode every rank must step in every round, with an empty batch (no rows)
+        """The batch ``rank`` trains in round ``round_index``: the usual rounds over the
+        ``data_workers`` streams (tensor mode on a 1-D mesh: batch r on every rank). In
+        hybrid mode every rank must step in every round, with an empty batch (no rows)
         where the data has run out: the gather is a collective."""
-        return round_index if self.mode == "tensor" else round_index * self.world + rank
+        return round_index * self.data_workers + self.data_rank(rank)
 
 
 def apply_tensor_parallel(replica, mesh, hybrid: bool = False) -> TensorParallelPlan:
-    """Convert an initialised MultiLayerNetwork ``replica`` in place, on every rank of the
-    1-D ``mesh`` (``init_device_mesh(device_type, (world,))``): its dense pairs split, its
-    optimizer rebuilt over the new parameters with its state split alike; with ``hybrid``
-    the layers before the first dense layer stay data-parallel. Install the returned plan's
-    ``gradient_hook`` with ``replica.share_gradients`` (before the first ``train_step``:
-    that rebuilds the step over the new parameters). Example::
+    """Convert an initialised MultiLayerNetwork ``replica`` in place, on every rank of
+    ``mesh``: 1-D (``init_device_mesh(device_type, (world,))``), or 2-D with dimensions
+    named ``("data", "tensor")`` (data-parallel groups of tensor-parallel ranks). Its dense
+    pairs split over the tensor ranks, its optimizer rebuilt over the new parameters with its
+    state split alike; with ``hybrid`` the layers before the first dense layer stay
+    data-parallel. Install the returned plan's ``gradient_hook`` with
+    ``replica.share_gradients`` (before the first ``train_step``: that rebuilds the step
+    over the new parameters). Example::
 
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "tensor"))
         plan = apply_tensor_parallel(replica, mesh, hybrid=True)
         replica.share_gradients(plan.gradient_hook)
     """
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
-    if mesh.ndim != 1:
-        raise NotImplementedError(f"tensor parallelism runs on a 1-D device mesh for now, got {mesh.ndim} dimensions")
+    if mesh.ndim == 1:
+        tensor_mesh, data_group = mesh, None
+    elif mesh.ndim == 2 and mesh.mesh_dim_names == ("data", "tensor"):
+        tensor_mesh, data_group = mesh["tensor"], mesh["data"].get_group()
+    else:
+        raise ValueError(f"tensor parallelism runs on a 1-D device mesh or a 2-D one named ('data', 'tensor'); "
+                         f"got {mesh.ndim} dimensions named {mesh.mesh_dim_names}")
     if getattr(replica, "kind", None) != "multilayer":
         raise TypeError(f"tensor parallelism needs a MultiLayerNetwork, got {type(replica).__name__}")
     replica.init()
@@ -150,13 +167,15 @@ def apply_tensor_parallel(replica, mesh, hybrid: bool = False) -> TensorParallel
     gather_at = gather_point(module) if hybrid else None  # checked before anything changes
     names = parameter_names(replica)
     if layers:
-        parallelize_module(module, mesh, layers)
+        parallelize_module(module, tensor_mesh, layers)
     rebuild_optimizer(replica, names)
-    plan = TensorParallelPlan("hybrid" if hybrid else "tensor", mesh.size(), layers)
+    plan = TensorParallelPlan("hybrid" if hybrid else "tensor", mesh.size(), layers,
+                              data_groups=1 if data_group is None else mesh.size(0))
+    stepped = [p for p in module.parameters() if p.requires_grad]
     if hybrid:
-        group = mesh.get_group()
+        group = tensor_mesh.get_group()
         module[gather_at].register_forward_pre_hook(lambda _layer, args: (gather_rows(args[0], group),) + args[1:])
-        replica.loss = _GatheredLoss(replica.loss, group)  # labels join their gathered rows
+        loss = replica.loss = _GatheredLoss(replica.loss, group)  # labels join their gathered rows
         plan.data_parallel = [name for name, p in module[:gather_at].named_parameters() if p.requires_grad]
         params = [p for p in module[:gather_at].parameters() if p.requires_grad]
 
@@ -168,6 +187,14 @@ def apply_tensor_parallel(replica, mesh, hybrid: bool = False) -> TensorParallel
                 )
             if params:
                 sum_gradients(params, group)
+            if data_group is not None:  # a tensor group whose ranks all had no rows counts for nothing
+                had_rows, loss.rows = loss.rows > 0, 0
+                average_gradients(stepped, data_group, had_rows)
+
+        plan.gradient_hook = share
+    elif data_group is not None:
+        def share(took_part):  # a data group without a batch (an epoch's short last round) counts for nothing
+            average_gradients(stepped, data_group, took_part)
 
         plan.gradient_hook = share
     return plan
@@ -210,10 +237,16 @@ class _GatheredLoss:
 
     def __init__(self, loss, group):
         self.loss, self.group = loss, group
+        self.rows = 0  # rows gathered since the gradient hook last asked (an accumulation window's)
 
     def __call__(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             labels = gather_rows(labels, self.group)
+        self.rows += labels.shape[0]
+        if not labels.shape[0]:
+            # A tensor group of a 2-D mesh whose ranks all ran out of data in this round: a
+            # mean over no rows is NaN; zero keeps the backward's collectives and adds nothing.
+            return outputs.sum() * 0.0
         return self.loss(outputs, labels)
 
 
@@ -230,6 +263,33 @@ def sum_gradients(params: list[torch.Tensor], group=None) -> None:
         # Copied in, not replaced: a channels_last weight's gradient keeps its layout, which
         # torch's fused optimizers assume (nn/serialization.py).
         p.grad.copy_(value.view(p.shape))
+
+
+@torch.no_grad()
+def average_gradients(params: list[torch.Tensor], group, took_part: bool) -> None:
+    """Replace the gradients of ``params`` by their mean over the ranks of ``group`` that
+    ``took_part`` (a 2-D mesh's data groups), in one flat all-reduce that carries the count
+    of participants too. A split parameter's gradient is averaged by its local shard: the
+    group's ranks hold the same shard of it."""
+    for p in params:
+        if p.grad is None:  # a step without a batch
+            p.grad = torch.zeros_like(p)
+    grads = [_local(p.grad) for p in params]
+    wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    flat = torch.cat([*(g.reshape(-1).to(wide) for g in grads), torch.ones(1, dtype=wide, device=grads[0].device)])
+    if not took_part:
+        flat.zero_()
+    dist.all_reduce(flat, group=group)
+    flat = flat[:-1] / flat[-1].clamp(min=1)  # the rounds always have a batch somewhere: the clamp is a guard
+    for g, value in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(value.view(g.shape))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the tensor itself outside autograd: writes reach the DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _op(layer: nn.Module) -> nn.Module | None:

@@ -2,9 +2,10 @@
 
 ``tensor_parallel.apply_tensor_parallel`` converts the model; this adds what ``run_rank`` and
 ``train_epoch`` ask of every distributed layout, as ``sharding.ShardedReplica`` does for the
-sharded mode: how many workers the batches are dealt to, what a rank without a batch in a
-round steps with, and ``gather``, which fills rank 0's plain twin with the whole state (what
-is saved, scored and shown to listeners).
+sharded mode: how many workers the batches are dealt to (and, where fewer than the ranks,
+which of them a rank is: ``data_rank``), what a rank without a batch in a round steps with,
+and ``gather``, which fills rank 0's plain twin with the whole state (what is saved, scored
+and shown to listeners).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from __future__ import annotations
 class TensorParallelReplica:
     def __init__(self, replica, plan, twin=None):
         self.replica, self.plan, self.twin = replica, plan, twin
-        self.data_workers = plan.data_workers  # tensor: 1 (every rank the same batches); hybrid: every rank
+        # Tensor mode: one stream of batches per data group (1 on a 1-D mesh); hybrid: every rank.
+        self.data_workers = plan.data_workers
+        self.data_rank = plan.data_rank  # data_rank(rank): the stream that rank reads
         # The hybrid gathers every rank's rows at its first dense layer: a rank whose data ran
         # out in a round steps with no rows rather than not at all.
         self.steps_on_empty_batches = plan.mode == "hybrid"

@@ -125,9 +125,9 @@ def train_epoch(replica, rank, world, spec, source, device, report, listeners, s
     start = replica.batch_in_epoch  # > 0: resumed after an interrupt part-way through this epoch
     layout = replica.parallel_layout
     ranks = world  # every rank counts its batches and loss; tensor parallel ranks count the same ones
-    if layout is not None and layout.data_workers == 1:
-        # Tensor parallel: every rank trains the batches one worker would, together.
-        rank, world = 0, 1
+    if layout is not None and layout.data_workers < world:
+        # Tensor parallel: the ranks of a tensor group train the batches of one data worker, together.
+        rank, world = layout.data_rank(rank), layout.data_workers
     plan = RoundPlan(spec.num_batches, world, start) if spec.num_batches is not None else OpenRoundPlan(world, start)
     if plan.rounds is None and start % world:
         raise DataError(f"the model stopped after batch {start} of epoch {epoch}, which is not a whole round of "
@@ -229,8 +229,8 @@ def train_epoch(replica, rank, world, spec, source, device, report, listeners, s
         replica.set_mask(None)  # no batch's mask outlives the epoch (a launched rank's replica is the user's model)
     totals = torch.tensor([tally.examples, tally.batches, float(tally.loss_sum)], dtype=torch.float64, device=device)
     dist.all_reduce(totals)
-    if ranks > world:  # tensor parallel: each rank counted the same batches
-        totals /= ranks
+    if ranks > world:  # tensor parallel: each rank of a tensor group counted the same batches
+        totals /= ranks // world
     all_examples, all_batches, all_loss = int(totals[0]), int(totals[1]), float(totals[2])
     if all_batches == 0 and start == 0 and report.stop is None:  # as the single-device loop says
         raise DataError(f"the data gave no batches in epoch {epoch} (worker {rank} of {world})")

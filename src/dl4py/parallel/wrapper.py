@@ -96,6 +96,7 @@ class ParallelWrapper:
     training_mode = _Option()
     devices = _Option(lambda options: None if options.devices is None else list(options.devices))
     timeout = _Option()
+    tensor_parallel_size = _Option()
 
     def __init__(
         self,
@@ -108,6 +109,7 @@ class ParallelWrapper:
         training_mode: str = "averaging",
         devices: list | None = None,
         timeout: float = 300.0,
+        tensor_parallel_size: int | None = None,
         **dl4j_options,
     ):
         if not isinstance(model, Model):
@@ -117,7 +119,7 @@ class ParallelWrapper:
         self.options = ParallelOptions(
             workers=workers, prefetch_buffer=prefetch_buffer, averaging_frequency=averaging_frequency,
             report_score_after_averaging=report_score_after_averaging, average_updaters=average_updaters,
-            training_mode=training_mode, devices=devices, timeout=timeout,
+            training_mode=training_mode, devices=devices, timeout=timeout, tensor_parallel_size=tensor_parallel_size,
         ).validate()
         self.last_records: dict[int, list[float]] = {}
         self.last_report: RankReport | None = None
@@ -222,6 +224,7 @@ class ParallelWrapper:
         devices = self._resolve_devices()
         world = self.options.workers or (len(devices) if devices[0].startswith("cuda") else 2)
         check_world(world, devices, iterator)  # before any process starts
+        self.options.mesh_shape(world)  # tensor groups that divide the workers
         spec = self._spec(iterator, epochs, devices, world, record)
         if spec.torch_model is not None:
             spec.torch_model = private_copy(spec.torch_model)
@@ -277,6 +280,7 @@ class ParallelWrapper:
         if self.options.workers is not None and self.options.workers != world:
             raise ConfigError("workers", f"is {self.options.workers} but torchrun launched {world} processes; "
                                          "leave it unset under torchrun")
+        self.options.mesh_shape(world)  # tensor groups that divide the ranks
         node_devices = self._resolve_devices()
         # This node's workers share its cores; other nodes have their own.
         spec = self._spec(iterator, epochs, node_devices, local_world, record)
