@@ -25,7 +25,6 @@ sharded -> single process -> sharded round trip is bit-exact.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
