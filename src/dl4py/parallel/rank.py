@@ -59,8 +59,8 @@ def run_rank(rank: int, world: int, spec: WorkerSpec, source, *, should_stop=Non
         replica.master.master_to_module()
     layout = None  # how a sharded, tensor-parallel or hybrid fit's replica is laid out
     if spec.options.training_mode in DISTRIBUTED_MODES:
-        # The plain replica stays whole on rank 0 (what is saved, scored and shown to the
-        # listeners, filled by each gather); a private copy of it is trained distributed.
+        # A private copy is trained distributed; rank 0 keeps a plain twin on the host (what
+        # is saved, scored and shown to the listeners, filled by each gather).
         layout = _distributed_copy(replica, spec, device, keep_twin=rank == 0)
         replica = layout.replica
         listeners = [TwinListener(listener, layout) for listener in listeners]
@@ -120,8 +120,9 @@ def run_rank(rank: int, world: int, spec: WorkerSpec, source, *, should_stop=Non
 
 def _distributed_copy(replica, spec: WorkerSpec, device, keep_twin: bool):
     """A private copy of ``replica`` distributed over all ranks as the training mode says
-    (returns its layout); ``replica`` is its twin where kept. The copy is made from the
-    model file of the state all ranks now share."""
+    (returns its layout), made from the model file of the state all ranks now share; and,
+    with ``keep_twin``, a plain copy on the host, which each gather fills: the whole model
+    and its updater state, which the device must not hold beside its shards."""
     from dataclasses import replace
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -133,12 +134,13 @@ def _distributed_copy(replica, spec: WorkerSpec, device, keep_twin: bool):
     torch_model = spec.torch_model
     if torch_model is not None and not isinstance(torch_model, bytes):
         torch_model = private_copy(torch_model)  # under torchrun: never convert the program's own model
-    working = build_replica(replace(spec, model_file=state_of(replica), torch_model=torch_model), device)
+    private = replace(spec, model_file=state_of(replica), torch_model=torch_model)
+    working = build_replica(private, device)
     working.module.train()
     # Tensor and hybrid with tensor_parallel_size: data groups x tensor groups.
     shape = spec.options.mesh_shape(dist.get_world_size())
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=("data", "tensor") if len(shape) == 2 else None)
-    twin = replica if keep_twin else None
+    twin = build_replica(private, torch.device("cpu")) if keep_twin else None
     if mode == "sharded":
         from dl4py.parallel.sharding import shard_replica
 

@@ -39,14 +39,13 @@ import torch
 
 from dl4py.backend.cuda_environment import environment
 from dl4py.errors import ConfigError
-from dl4py.parallel.options import check_mode_fits_model
 from dl4py.nn.model import Model, as_iterator
 from dl4py.nn.serialization import restore_state
 from dl4py.parallel.dl4j_options import note_dl4j_options
 from dl4py.parallel.events import EventReplay
 from dl4py.parallel.launched import launched_by_torchrun, launched_world, run_launched_rank
 from dl4py.parallel.main_guard import check_main_guard
-from dl4py.parallel.options import ParallelOptions
+from dl4py.parallel.options import ParallelOptions, check_mode_fits_model
 from dl4py.parallel.pool import PoolLayout, WorkerPool
 from dl4py.parallel.preflight import check_picklable, check_world, own_source, private_copy, process_group_backend
 from dl4py.parallel.rank import RankReport

@@ -57,12 +57,13 @@ class SparkTrainer:
     def __init__(self, model: Model, workers: int, *, spark=None, prefetch_buffer: int = 16,
                  averaging_frequency: int | None = None, report_score_after_averaging: bool = False,
                  average_updaters: bool | None = None, training_mode: str = "averaging", use_gpu: bool = False,
-                 staging_dir=None, timeout: float = 300.0):
+                 staging_dir=None, timeout: float = 300.0, tensor_parallel_size: int | None = None):
         from dl4py.parallel import ParallelWrapper
 
         self.options = dict(workers=workers, prefetch_buffer=prefetch_buffer, averaging_frequency=averaging_frequency,
                             report_score_after_averaging=report_score_after_averaging,
-                            average_updaters=average_updaters, training_mode=training_mode, timeout=timeout)
+                            average_updaters=average_updaters, training_mode=training_mode, timeout=timeout,
+                            tensor_parallel_size=tensor_parallel_size)
         if workers is None:
             raise ConfigError("workers", "is required: how many Spark tasks train (each one rank)")
         ParallelWrapper(model, **self.options)  # the same checks as every rank's wrapper, here and now
