@@ -118,12 +118,17 @@ def _rank(rank: int, rendezvous: str, out: str, batches) -> None:
         results["round trip"] = (dict(plain.module.state_dict()), optimizer_state_by_name(plain.optimizer, names),
                                  full_state(replica))
         if rank == 0:
-            buffer = io.BytesIO()
-            torch.save(results, buffer)
-            with open(out, "wb") as f:
-                f.write(buffer.getvalue())
+            _write(results, out)
     finally:
         dist.destroy_process_group()
+
+
+def _write(results: dict, out: str) -> None:
+    """Rank 0's results, for the tests in the parent process."""
+    buffer = io.BytesIO()
+    torch.save(results, buffer)
+    with open(out, "wb") as f:
+        f.write(buffer.getvalue())
 
 
 def start_ranks(rank_program, args: tuple, ranks: int) -> None:
@@ -234,10 +239,7 @@ def _rank_2d(rank: int, rendezvous: str, out: str, batches) -> None:
         for mode in ("tensor", "hybrid"):
             results[("fit", mode)] = _fit_2d(rank, mode)
         if rank == 0:
-            buffer = io.BytesIO()
-            torch.save(results, buffer)
-            with open(out, "wb") as f:
-                f.write(buffer.getvalue())
+            _write(results, out)
     finally:
         dist.destroy_process_group()
 
