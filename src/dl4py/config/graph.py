@@ -267,7 +267,7 @@ class GraphConfig(NetworkText, ConfigBase):
 
     # ---- validation and shape inference ------------------------------------------------
     def validate(self, where: str = "network") -> None:
-        from dl4py.config.network import _check_threshold
+        from dl4py.config.network import _check_threshold, check_network_defaults
 
         if not self.inputs:
             raise ConfigError(join(where, "inputs"), "must name at least one input with its input type")
@@ -275,9 +275,7 @@ class GraphConfig(NetworkText, ConfigBase):
             raise ConfigError(join(where, "vertices"), "must hold at least one vertex")
         if not self.outputs:
             raise ConfigError(join(where, "outputs"), "must name at least one output layer vertex")
-        if self.l2 < 0:
-            raise ConfigError(join(where, "l2"), f"must be zero or more, got {self.l2}")
-        _check_threshold(self.gradient_normalization_threshold, join(where, "gradient_normalization_threshold"))
+        check_network_defaults(self, where)
         for name in self.vertices:
             if name in self.inputs:
                 raise ConfigError(join(join(where, "vertices"), name), "has the name of an input; names must be unique")

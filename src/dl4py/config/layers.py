@@ -71,6 +71,11 @@ def _check_positive(layer, where: str, *names: str) -> None:
             raise ConfigError(join(where, name), f"must be positive, got {_show(value)}")
 
 
+def _check_l2(layer, where: str) -> None:
+    if layer.l2 is not None and layer.l2 < 0:
+        raise ConfigError(join(where, "l2"), f"must be zero or more, got {layer.l2}")
+
+
 def _check_non_negative(layer, where: str, *names: str) -> None:
     for name in names:
         value = getattr(layer, name)
@@ -143,8 +148,7 @@ class DenseLayer(_ParamLayer):
 
     def validate(self, where: str) -> None:
         _check_positive(self, where, "n_out")
-        if self.l2 is not None and self.l2 < 0:
-            raise ConfigError(join(where, "l2"), f"must be zero or more, got {self.l2}")
+        _check_l2(self, where)
 
     def output_shape(self, shape: Shape, where: str) -> Shape:
         return Shape("ff", (self.n_out,))
@@ -186,8 +190,7 @@ class ConvolutionLayer(_ParamLayer):
     def validate(self, where: str) -> None:
         _check_positive(self, where, "n_out", "kernel_size", "stride", "dilation")
         _check_non_negative(self, where, "padding")
-        if self.l2 is not None and self.l2 < 0:
-            raise ConfigError(join(where, "l2"), f"must be zero or more, got {self.l2}")
+        _check_l2(self, where)
 
     def output_shape(self, shape: Shape, where: str) -> Shape:
         _need_cnn(self, shape, where)

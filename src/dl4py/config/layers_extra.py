@@ -20,6 +20,7 @@ from dl4py.config.layers import (
     Pair,
     Shape,
     WeightInit,
+    _check_l2,
     _check_non_negative,
     _check_positive,
     _need_cnn,
@@ -36,11 +37,6 @@ def _need_sequences(layer: Layer, shape: Shape, where: str) -> None:
     from dl4py.config.recurrent import need_sequences  # recurrent.py imports this module
 
     need_sequences(layer, shape, where)
-
-
-def _check_l2(layer, where: str) -> None:
-    if layer.l2 is not None and layer.l2 < 0:
-        raise ConfigError(join(where, "l2"), f"must be zero or more, got {layer.l2}")
 
 
 def _window_1d(shape: Shape, where: str, kernel: int, stride: int, padding: int, dilation: int) -> int | None:

@@ -105,9 +105,7 @@ class NetworkConfig(NetworkText, ConfigBase):
             raise ConfigError(join(where, "layers"), "must hold at least one layer")
         if self.input_type is None:
             raise ConfigError(join(where, "input_type"), "is required: n_in is inferred from it")
-        if self.l2 < 0:
-            raise ConfigError(join(where, "l2"), f"must be zero or more, got {self.l2}")
-        _check_threshold(self.gradient_normalization_threshold, join(where, "gradient_normalization_threshold"))
+        check_network_defaults(self, where)
         for i, layer in enumerate(self.layers):
             _check_threshold(
                 getattr(layer, "gradient_normalization_threshold", None),
@@ -147,6 +145,13 @@ class NetworkConfig(NetworkText, ConfigBase):
             shapes.append(LayerShapes(i, layer, current, out))
             current = out
         return shapes
+
+
+def check_network_defaults(config, where: str) -> None:
+    """The settings every layer inherits, as a NetworkConfig and a GraphConfig both have them."""
+    if config.l2 < 0:
+        raise ConfigError(join(where, "l2"), f"must be zero or more, got {config.l2}")
+    _check_threshold(config.gradient_normalization_threshold, join(where, "gradient_normalization_threshold"))
 
 
 def _check_threshold(threshold: float | None, where: str) -> None:
