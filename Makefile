@@ -8,7 +8,19 @@ ifneq ($(wildcard ../shared/data/mnist),)
 export DL4PY_DATA ?= $(abspath ../shared/data)
 endif
 
-.PHONY: setup demo demo-parallel test bench
+# A copy of MNIST inside the checkout (.data/mnist) travels to a GPU machine with it.
+ifneq ($(wildcard .data/mnist),)
+export DL4PY_DATA ?= $(abspath .data)
+endif
+# make gpu-check: the prepared GPU check (docs/gpu-check.md). DEVICE=cpu QUICK=1 is its CPU rehearsal.
+DEVICE ?= gpu
+QUICK ?=
+BUDGET ?=
+OUT ?= benchmarks/results
+# Wheels carried to a machine without network (dl4py serve's starlette and uvicorn), installed beside it.
+WHEELS ?= .whl
+
+.PHONY: setup demo demo-parallel test bench gpu-check
 
 setup:
 	$(if $(TORCH),$(PYTHON) -m pip install -q "$(TORCH)")
@@ -22,3 +34,10 @@ test: setup
 
 bench: setup
 	$(PYTHON) -m dl4py bench all
+
+# No `setup` first: a GPU machine has its own PyTorch build and often no network.
+gpu-check:
+	@if ls $(WHEELS)/*.whl >/dev/null 2>&1; then \
+	    $(PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(WHEELS)/site $(WHEELS)/*.whl; fi
+	PYTHONPATH="$(abspath $(WHEELS))/site$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) benchmarks/gpu_check.py \
+	    --device $(DEVICE) --out $(OUT) $(if $(QUICK),--quick) $(if $(BUDGET),--budget $(BUDGET))

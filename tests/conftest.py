@@ -41,7 +41,8 @@ def mnist():
 
 
 # Set by pytest and lazily by torch itself; not a leak of the code under test.
-_SET_BY_TOOLS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"}
+_SET_BY_TOOLS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
+                 "TRITON_CACHE_DIR", "TRITON_PTXAS_PATH"}  # Inductor's GPU kernels, compiled by Triton
 
 
 @pytest.fixture(autouse=True)

@@ -67,7 +67,7 @@ def synth(monkeypatch):
         NAMES[3]: _labels([2, 2, 1, 0, 1]),
     }
     for name, data in files.items():
-        monkeypatch.setitem(mnist._SHA256, name, hashlib.sha256(data).hexdigest())
+        monkeypatch.setitem(mnist.SHA256, name, hashlib.sha256(data).hexdigest())
     return files
 
 
@@ -152,7 +152,7 @@ def test_real_checksum_table_catches_a_changed_byte(real, tmp_path):
     data = bytearray(gzip.decompress((SHARED_DATA / "mnist" / "t10k-labels-idx1-ubyte.gz").read_bytes()))
     data[100] = (data[100] + 1) % 10  # still a valid digit: only the checksum can tell
     (folder / "t10k-labels-idx1-ubyte").write_bytes(bytes(data))
-    expected = mnist._SHA256["t10k-labels-idx1-ubyte"]
+    expected = mnist.SHA256["t10k-labels-idx1-ubyte"]
     with pytest.raises(DataError, match=f"t10k-labels-idx1-ubyte: SHA-256 mismatch: expected {expected}, got"):
         load_mnist(train=False, data_dir=folder)
 
@@ -273,7 +273,7 @@ def test_a_file_replaced_after_caching_is_read_again(synth, tmp_path):
 
 def test_image_and_label_counts_must_agree(synth, tmp_path, monkeypatch):
     short = _labels([0, 1, 2])
-    monkeypatch.setitem(mnist._SHA256, NAMES[1], hashlib.sha256(short).hexdigest())
+    monkeypatch.setitem(mnist.SHA256, NAMES[1], hashlib.sha256(short).hexdigest())
     folder = _write(tmp_path / "d", dict(synth, **{NAMES[1]: short}))
     with pytest.raises(DataError, match="12 images but 3 labels"):
         load_mnist(train=True, data_dir=folder)

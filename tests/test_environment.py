@@ -509,8 +509,9 @@ def test_gpu_allocator_settings_are_what_pytorch_uses():
         x = torch.ones(1024, device="cuda")  # CUDA starts here, reading the variables
         conf = os.environ["PYTORCH_CUDA_ALLOC_CONF"]
         assert conf == "max_split_size_mb:256,garbage_collection_threshold:0.7,expandable_segments:True", conf
-        get = torch._C._accelerator_getAllocatorSettings
-        assert get() == conf, get()
+        # PyTorch 2.12+ can read the live settings back; older builds only show them by their effects below.
+        get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+        assert get is None or get() == conf, get()
         stats = torch.cuda.memory_stats()
         assert stats["max_split_size"] == 256 * 2**20, stats["max_split_size"]
 
@@ -535,7 +536,7 @@ def test_gpu_allocator_settings_are_what_pytorch_uses():
         assert oversize_now() == before, "max_split_size_mb:512 did not reach the allocator"
         del big
         env.expandable_segments = False
-        assert get().endswith("expandable_segments:False"), get()
+        assert get is None or get().endswith("expandable_segments:False"), get()
         torch.cuda.empty_cache()  # so the next block cannot come from an expandable segment
         fresh = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
         assert segment_of(fresh)["is_expandable"] is False

@@ -9,6 +9,7 @@
     dl4py evaluate MODEL [--config CONFIG] [--limit N] [--backend B] [--precision P] [--json]
     dl4py summary CONFIG
     dl4py info [--json]
+    dl4py doctor [--json] [--timeout S] [--master-addr ADDR] [--port N]
     dl4py memory CONFIG.yaml [--batch-size N] [--precision P] [--inference]
                              [--parallelism single|sharded --workers N]
                              [--device-memory 80GB | --device cuda:0|cpu] [--json]
@@ -88,6 +89,14 @@ def _parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="backend, devices and versions")
     info.add_argument("--json", action="store_true")
+
+    doctor = sub.add_parser("doctor", help="self-test this machine before training: devices, backend, rendezvous "
+                                           "and all-reduce, gloo/NCCL, /dev/shm, allocator, data; exit 1 if a check fails")
+    doctor.add_argument("--json", action="store_true", help="print the verdicts as JSON")
+    doctor.add_argument("--timeout", type=_positive_seconds, default=30.0, help="seconds each check may take (default 30)")
+    doctor.add_argument("--master-addr", default="127.0.0.1",
+                        help="address of this machine the rendezvous ranks meet at (default 127.0.0.1)")
+    doctor.add_argument("--port", type=_port, default=0, help="port they meet at (default 0: any free port)")
 
     memory = sub.add_parser("memory", help="estimate the memory of a training step; does it fit, with which batch?")
     memory.add_argument("config", type=Path)
@@ -190,6 +199,22 @@ def _batch_size(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"must be a whole number or auto, got {text!r}") from None
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    if not text.strip().isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number from 0 to 65535, got {text!r}")
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command ``argv`` (default: this process's arguments); its exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -225,7 +250,7 @@ def _main(argv: list[str]) -> int:
     args.argv = argv  # the command as typed, for the one that continues an interrupted run
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     debug = args.debug or os.environ.get("DL4PY_DEBUG", "") not in ("", "0")
-    commands = {"train": _train, "evaluate": _evaluate, "summary": _summary, "info": _info,
+    commands = {"train": _train, "evaluate": _evaluate, "summary": _summary, "info": _info, "doctor": _doctor,
                 "sweep": _sweep, "memory": _memory, "bench": _bench, "ui": _ui, "report": _report,
                 "predict": _predict, "export": _export, "serve": _serve}
     # A problem with the user's input or machine is one line; a bug of dl4py's own keeps
@@ -538,6 +563,15 @@ def _info(args) -> int:
     info = collect_info()
     print(json.dumps(info, indent=2) if args.json else format_info(info))
     return 0
+
+
+def _doctor(args) -> int:
+    from dl4py.doctor import DoctorOptions, exit_status, format_report, report_dict, run_checks
+
+    options = DoctorOptions(timeout=args.timeout, master_addr=args.master_addr, port=args.port)
+    reports = run_checks(options)
+    print(json.dumps(report_dict(reports, options), indent=2) if args.json else format_report(reports))
+    return exit_status(reports)
 
 
 if __name__ == "__main__":

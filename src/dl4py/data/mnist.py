@@ -30,7 +30,7 @@ from dl4py.errors import DataError, DataSizeError
 __all__ = ["MnistDataSetIterator", "load_mnist"]
 
 # SHA-256 of the uncompressed files: recompressed .gz files differ, their content must not.
-_SHA256 = {
+SHA256 = {
     "train-images-idx3-ubyte": "ba891046e6505d7aadcbbe25680a0738ad16aec93bde7f9b65e87a2fc25776db",
     "train-labels-idx1-ubyte": "65a50cbbf4e906d70832878ad85ccda5333a97f0f4c3dd2ef09a8a9eef7101c5",
     "t10k-images-idx3-ubyte": "0fa7898d509279e482958e8ce81c8e77db3f2f8254e26661ceb7762c4d494ce7",
@@ -111,7 +111,7 @@ def _read_file(name: str, data_dir) -> np.ndarray:
     path = _locate(name, data_dir) or _download(name, data_dir)
     stat = path.stat()
     gz = path.name.endswith(".gz")
-    return _read_idx(str(path.resolve()), gz, _magic(name), _SHA256.get(name), stat.st_mtime_ns, stat.st_size)
+    return _read_idx(str(path.resolve()), gz, _magic(name), SHA256.get(name), stat.st_mtime_ns, stat.st_size)
 
 
 def _magic(name: str) -> int:
@@ -121,7 +121,8 @@ def _magic(name: str) -> int:
 # -- locating ---------------------------------------------------------------------
 
 
-def _search_dirs(data_dir) -> list[Path]:
+def search_dirs(data_dir) -> list[Path]:
+    """Where MNIST is looked for, in order: ``data_dir`` (else ``$DL4PY_DATA/mnist``), then the cache."""
     first = Path(data_dir) if data_dir is not None else None
     if first is None and os.environ.get("DL4PY_DATA"):
         first = Path(os.environ["DL4PY_DATA"]) / "mnist"
@@ -136,7 +137,7 @@ def _cache_dir() -> Path:
 
 
 def _locate(name: str, data_dir) -> Path | None:
-    for folder in _search_dirs(data_dir):
+    for folder in search_dirs(data_dir):
         for candidate in (folder / name, folder / f"{name}.gz"):
             if candidate.is_file():
                 return candidate
@@ -223,7 +224,7 @@ def _download(name: str, data_dir) -> Path:
                 with urllib.request.urlopen(url, timeout=_TIMEOUT_S) as response:
                     shutil.copyfileobj(response, f, length=1 << 20)
             try:
-                _read_idx.__wrapped__(str(tmp), True, _magic(name), _SHA256.get(name))
+                _read_idx.__wrapped__(str(tmp), True, _magic(name), SHA256.get(name))
             except DataError as e:
                 raise DataError(f"the downloaded file failed verification: {e}") from None
             os.replace(tmp, target)
@@ -233,7 +234,7 @@ def _download(name: str, data_dir) -> Path:
         finally:
             if tmp is not None and tmp.exists():
                 tmp.unlink()
-    searched = "\n".join(f"  {d}" for d in _search_dirs(data_dir))
+    searched = "\n".join(f"  {d}" for d in search_dirs(data_dir))
     where = data_dir if data_dir is not None else "$DL4PY_DATA/mnist (or pass data_dir=)"
     tried = "\n".join(errors) if errors else "  (no mirrors: DL4PY_MNIST_MIRRORS is empty)"
     raise DataError(

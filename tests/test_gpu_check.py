@@ -1,0 +1,112 @@
+"""The prepared GPU check (benchmarks/gpu_check.py): its CPU rehearsal end to end, and a step
+that raises, fails a target, hangs or is skipped is recorded as such while the rest still run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_check  # noqa: E402
+from gpu_check import STEPS, VERDICTS, Step, run_check  # noqa: E402
+
+FAKES = "gpu_check_fakes"
+HANG_BUDGET_S = 10.0  # room for the step process to start (torch imported) and record its child
+
+
+def fake(name: str, function: str, budget: float = 30.0) -> Step:
+    return Step(name, f"{FAKES}:{function}", budget, budget, f"the fake step {function}")
+
+
+@pytest.fixture
+def fakes_importable(monkeypatch):
+    """The step processes import the fakes from tests/."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")])))
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting to be reaped (an orphan's reaper may be slow in a container)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.timeout(240)  # a broken step timeout must fail this test, not hang the suite
+def test_each_outcome_is_recorded_and_the_next_step_still_runs(tmp_path, fakes_importable):
+    steps = [fake("raises", "raises"), fake("hangs", "hangs", HANG_BUDGET_S), fake("misses", "misses_a_target"),
+             fake("part", "breaks_one_part"), fake("skips", "skips"), fake("missed", "misses_then_skips"),
+             fake("passes", "passes")]
+    status = run_check(steps, "cpu", quick=True, out=tmp_path)
+    record = json.loads((tmp_path / "gpu-check-cpu.json").read_text())
+    by_name = {s["name"]: s for s in record["steps"]}
+    assert [s["name"] for s in record["steps"]] == [s.name for s in steps]
+    assert status == 1  # a step failed
+
+    assert by_name["raises"]["verdict"] == "failed"
+    assert by_name["raises"]["error"] == "ValueError: a planted failure"
+    assert by_name["raises"]["figures"] == {"before_the_error": 1}  # what it measured before is kept
+    assert any("a planted failure" in line for line in by_name["raises"]["log_tail"])
+
+    hang = by_name["hangs"]
+    assert hang["verdict"] == "timed_out"
+    assert hang["seconds"] < HANG_BUDGET_S + 2 * gpu_check.KILL_GRACE_S
+    for pid in (hang["figures"]["child_pid"], hang["figures"]["step_pid"]):
+        assert not alive(pid), f"process {pid} of the hung step outlived it"
+
+    assert by_name["misses"]["verdict"] == "failed"
+    assert by_name["misses"]["unmet"] == ["10 samples/s is under the target"]
+    assert by_name["misses"]["figures"]["after_the_miss"] is True  # a missed target does not stop the step
+
+    assert by_name["part"]["verdict"] == "failed"
+    assert by_name["part"]["unmet"] == ["first: RuntimeError: the first part broke"]
+    assert by_name["part"]["figures"]["second_part_ran"] is True
+
+    assert by_name["skips"]["verdict"] == "skipped" and by_name["skips"]["error"] == "no GPU"
+    assert by_name["missed"]["verdict"] == "failed"  # a skip does not hide a missed target
+    assert by_name["passes"]["verdict"] == "passed" and by_name["passes"]["figures"] == {"answer": 42}
+
+    markdown = (tmp_path / "gpu-check-cpu.md").read_text()
+    for name, verdict in [("raises", "failed"), ("hangs", "timed_out"), ("skips", "skipped"), ("passes", "passed")]:
+        assert f"| {name} | **{verdict}** |" in markdown
+
+
+@pytest.mark.timeout(120)
+def test_a_spent_budget_leaves_the_last_steps_not_run(tmp_path, fakes_importable):
+    steps = [fake("hangs", "hangs", HANG_BUDGET_S), fake("passes", "passes", 30)]
+    status = run_check(steps, "cpu", quick=True, out=tmp_path, budget=HANG_BUDGET_S + 3)
+    record = json.loads((tmp_path / "gpu-check-cpu.json").read_text())
+    assert [s["verdict"] for s in record["steps"]] == ["timed_out", "not_run"]
+    assert "budget was spent" in record["steps"][1]["error"]
+    assert status == 1
+
+
+def test_only_names_unknown_steps(capsys):
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--only", "precision,warp-drive"])
+    assert "no step named warp-drive" in capsys.readouterr().err
+
+
+def test_the_cpu_rehearsal_runs_every_step_with_a_verdict(tmp_path):
+    """make gpu-check DEVICE=cpu QUICK=1, end to end: every step has a verdict, none failed."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--quick",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    record = json.loads((tmp_path / "gpu-check-cpu.json").read_text())
+    verdicts = {s["name"]: s["verdict"] for s in record["steps"]}
+    assert list(verdicts) == [s.name for s in STEPS]
+    assert set(verdicts.values()) <= set(VERDICTS)
+    broken = {s["name"]: s.get("error") for s in record["steps"] if s["verdict"] not in ("passed", "skipped")}
+    assert not broken, f"{broken}\n{done.stdout[-3000:]}"
+    assert verdicts["gpu-tests"] == "skipped"  # no CUDA here: skipped, never passed
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for name in ("torch", "python", "device_name"):
+        assert record[name]
+    assert (tmp_path / "gpu-check-cpu.md").read_text().startswith("# GPU check: CPU")
