@@ -20,7 +20,6 @@ import argparse
 import importlib
 import json
 import os
-import platform
 import re
 import shutil
 import signal
@@ -35,7 +34,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+import torch  # noqa: E402
+
 from dl4py.io import atomic_write_json, atomic_write_text  # noqa: E402
+from gpu_steps._check import Check, Skipped  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.run_step:
         return run_one(args.run_step, args.device, args.quick, args.result, args.work)
+    # Stopped from outside (a caller's timeout): unwind, so that the running step's group is killed too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     steps = select(STEPS, args.only, p)
     device = resolve_device(args.device, p)
     return run_check(steps, device, args.quick, args.out, budget=args.budget, logs=args.logs)
@@ -101,8 +105,6 @@ def select(steps: list[Step], only: str | None, p: argparse.ArgumentParser) -> l
 
 def resolve_device(choice: str, p: argparse.ArgumentParser) -> str:
     """cpu or gpu, decided without starting CUDA in this process (the steps start it)."""
-    import torch
-
     if choice == "cpu":
         return "cpu"
     if torch.cuda.is_available():
@@ -207,10 +209,6 @@ def child_environment() -> dict:
 
 def run_one(target: str, device: str, quick: bool, result_path: Path, work: Path) -> int:
     """The step's own process: run the target, report figures, targets and errors."""
-    import torch
-
-    from gpu_steps._check import Check, Skipped
-
     check = Check(device=torch.device("cuda", 0) if device == "gpu" else torch.device("cpu"), quick=quick,
                   result_path=result_path, work_dir=work)
     check.save()
