@@ -25,7 +25,7 @@ import torch
 from dl4py import ArrayDataSetIterator, DenseLayer, InputType, MultiLayerNetwork, NetworkConfig, OutputLayer, Sgd
 from dl4py.parallel import ParallelWrapper
 from gpu_steps._check import Check
-from gpu_steps.parallel import EXPECTED_BACKEND, WorkerProbe, mib, part
+from gpu_steps._workers import EXPECTED_BACKEND, WorkerProbe, mib, part, toy_examples
 
 PLANS = ("sharded", "tensor", "hybrid")
 # tests/test_model_parallel.py's run, and its bound with SGD (measured there: 3e-8).
@@ -37,20 +37,14 @@ TIMEOUT_S = 20.0
 
 def run(check: Check) -> None:
     check.figure("device", str(check.device))
-    x, y = examples(EXAMPLES, seed=3)
-    timing = examples(check.steps(BATCH * 80, BATCH * 8), seed=4)
+    x, y = toy_examples(EXAMPLES, seed=3)
+    timing = toy_examples(check.steps(BATCH * 80, BATCH * 8), seed=4)
     rows = []
     for plan in PLANS:
         with part(check, plan):
             rows.append(train_plan(check, plan, (x, y), timing))
             check.figure("plans", rows)
     check.expect(multiprocessing.active_children() == [], "worker processes were left behind")
-
-
-def examples(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 5, generator=generator)
-    return x, (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
 
 
 def train_plan(check: Check, plan: str, data: tuple, timing: tuple) -> dict:

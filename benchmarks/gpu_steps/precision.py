@@ -16,12 +16,8 @@ import torch
 from _common import seed_lenet, settings, sync
 from dl4py import MnistDataSetIterator, MultiLayerNetwork
 from gpu_steps._check import Check
+from throughput import MODES, PRECISIONS  # benchmarks/throughput.py: the same rows, timed longer there
 
-PRECISIONS = {"gpu": ["float", "half", "bfloat16", "mixed-fp16", "mixed-bf16"],
-              "cpu": ["float", "bfloat16", "mixed-bf16"]}  # fp16 has no fast CPU kernels
-MODES = {"eager": {"compile": "off", "cuda_graphs": False},
-         "compiled": {"compile": "default", "cuda_graphs": False},
-         "cuda-graphs": {"compile": "default", "cuda_graphs": True}}
 # Eager first (cheap, every policy), then the modes that compile: a step cut short keeps the most rows.
 MODE_ORDER = {"gpu": ["eager", "cuda-graphs", "compiled"], "cpu": ["eager"]}
 LOSS_SCALED = {"half", "mixed-fp16"}  # half keeps float32 masters and scales its loss
