@@ -155,8 +155,10 @@ class StatsCollector(TrainingListener):
 
 
 def _abs_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum of absolute values, accumulated in float32 whatever the tensor's dtype."""
-    return torch.linalg.vector_norm(tensor, 1, dtype=torch.float32)
+    """Sum of absolute values, accumulated in float32 or wider: 16-bit tensors are widened so
+    the sum does not overflow or round away, and a float64 one (``double``) stays float64
+    because ``vector_norm`` refuses to narrow its input to the accumulation dtype."""
+    return torch.linalg.vector_norm(tensor, 1, dtype=torch.promote_types(tensor.dtype, torch.float32))
 
 
 def _compiled(model) -> bool:

@@ -8,6 +8,7 @@ that imports ``nn.model`` back.
 from __future__ import annotations
 
 from dl4py.errors import DataError
+from dl4py.nn.declared_shapes import check_weights_declared
 from dl4py.nn.model_file import read_model_file
 from dl4py.nn.graph import ComputationGraph
 from dl4py.nn.network import MultiLayerNetwork
@@ -24,6 +25,7 @@ def load(path, into=None, backend=None, precision=None):
         network = MultiLayerNetwork if meta["kind"] == "multilayer" else ComputationGraph
         if into is not None:
             raise ValueError(f"{saved.path} holds a {network.__name__}; it is rebuilt from its config, drop into=")
+        check_weights_declared(saved)  # before the build: the config alone might ask for terabytes
         model = network(saved.config, backend=backend, precision=precision or meta["precision"])
     else:
         if into is None:
