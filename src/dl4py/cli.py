@@ -23,6 +23,7 @@
     dl4py export RUN_DIR|MODEL [--format onnx|torchscript|safetensors] [--output FILE]
     dl4py serve RUN_DIR|MODEL [--host 127.0.0.1] [--port 8000] [--workers N] [--batch-limit N]
                               [--queue-limit N] [--max-body-bytes N] [--inference-mode M]
+                              [--max-connections N] [--header-timeout S] [--keep-alive-timeout S]
 
 Flags are shorthands for ``--set`` on the same keys, so every value is type-checked by
 the config schema. Errors print one line naming the key, layer or file at fault
@@ -173,6 +174,16 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--queue-timeout", type=float, default=10.0, help="seconds a request waits for a place (default 10)")
     serve.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
                        help="largest request body; a larger one gets 413 (default 8 MiB)")
+    serve.add_argument("--body-timeout", type=float, default=10.0,
+                       help="longest pause while a request's body arrives, in seconds; then 408 (default 10)")
+    serve.add_argument("--max-connections", type=int,
+                       help="connections served at once; one more gets 503 (default 256, fewer under a low ulimit -n)")
+    serve.add_argument("--header-timeout", type=float, default=10.0,
+                       help="seconds a request's line and headers may take to arrive; then 408 and closed (default 10)")
+    serve.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                       help="seconds an idle connection stays open between requests (default 5)")
+    serve.add_argument("--max-header-bytes", type=int, default=16 * 1024,
+                       help="largest request line and headers; larger gets 431 (default 16384)")
     serve.add_argument("--inference-mode", default="batched", choices=["batched", "sequential", "inplace"])
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="on SIGTERM/SIGINT, seconds to finish the requests received before giving up on them")
@@ -549,7 +560,9 @@ def _serve(args) -> int:
         _saved_model(args.model), host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
         log_level="info", backend=args.backend, workers=args.workers, batch_limit=args.batch_limit,
         queue_limit=args.queue_limit, queue_timeout=args.queue_timeout, max_body_bytes=args.max_body_bytes,
-        inference_mode=args.inference_mode)
+        body_timeout=args.body_timeout, inference_mode=args.inference_mode, max_connections=args.max_connections,
+        header_timeout=args.header_timeout, keep_alive_timeout=args.keep_alive_timeout,
+        max_header_bytes=args.max_header_bytes)
     print(f"dl4py serve: {server.service.metadata['model']} (version {server.service.model_version}) on "
           f"{server.url}: POST /predict, GET /health, GET /metadata; Ctrl-C or SIGTERM stops", flush=True)
     server.serve_forever()

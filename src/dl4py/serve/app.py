@@ -34,7 +34,8 @@ def make_app(model, **options):
 
     ``options``: ``workers``, ``devices``, ``inference_mode``, ``batch_limit`` (as
     ParallelInference), ``queue_limit`` (requests answered at once), ``queue_timeout``
-    (seconds one more waits for a place before a 503), ``max_body_bytes``, ``input_shape``
+    (seconds one more waits for a place before a 503), ``max_body_bytes``, ``body_timeout``
+    (the longest pause while a body arrives, in seconds, before a 408), ``input_shape``
     (one example's shape; needed for a TorchModel), ``labels`` (class names), ``backend``
     (for a model read from a file). ``app.state.service`` is the ``Service``; ParallelInference
     is closed when the app's lifespan ends.
@@ -80,7 +81,8 @@ async def _predict(request):
         status, body = await _prediction(request, service, request_id)
     finally:
         service.leave()
-    return _json_response(status, body, request_id)
+    # A body that stopped arriving will not be read to its end: the connection ends with the answer.
+    return _json_response(status, body, request_id, headers={"Connection": "close"} if status == 408 else None)
 
 
 async def _prediction(request, service: Service, request_id: str) -> tuple[int, bytes | str]:
@@ -92,7 +94,7 @@ async def _prediction(request, service: Service, request_id: str) -> tuple[int, 
     from starlette.requests import ClientDisconnect
 
     try:
-        body = await _read_body(request, service.max_body_bytes)
+        body = await _read_body(request, service.max_body_bytes, service.body_timeout)
     except RequestError as error:
         return error.status, error.message
     except ClientDisconnect:  # nobody is left to hear the answer; not the server's fault
@@ -121,9 +123,10 @@ async def _prediction(request, service: Service, request_id: str) -> tuple[int, 
         slots.release()
 
 
-async def _read_body(request, limit: int) -> bytes:
+async def _read_body(request, limit: int, pause: float) -> bytes:
     """The body, refusing one over ``limit`` bytes: by its Content-Length before reading
-    anything, and by the bytes actually read (a chunked body has no length)."""
+    anything, and by the bytes actually read (a chunked body has no length); and one that
+    stops arriving for ``pause`` seconds, which would hold its connection for ever."""
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
@@ -132,7 +135,15 @@ async def _read_body(request, limit: int) -> bytes:
             raise RequestError(413, f"the body is {int(declared)} bytes; this server takes at most {limit} "
                                     "(max_body_bytes): send fewer examples per request")
     chunks, size = [], 0
-    async for chunk in request.stream():
+    stream = request.stream()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(stream.__anext__(), pause)
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:
+            raise RequestError(408, f"the body stopped arriving: no bytes for {pause:g} s (body_timeout), after "
+                                    f"{size} bytes") from None
         size += len(chunk)
         if size > limit:
             raise RequestError(413, f"the body is over {limit} bytes, the most this server takes "

@@ -2,18 +2,26 @@
 
 Pure functions of bytes, without the web framework, so every rule is testable alone and
 each refusal is a ``RequestError`` carrying its HTTP status and a message naming what is
-wrong: not JSON (400), no ``features`` key, something that is not a number, examples of the
-wrong shape or of different lengths, a value beyond float32 (422).
+wrong: not JSON, or nested deeper than ``MAX_NESTING`` (400); no ``features`` key, something
+that is not a number, examples of the wrong shape or of different lengths, a value beyond
+float32, a number of more digits than Python reads (422).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 
 import numpy as np
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+# Levels of arrays and objects a body may nest: the object, features, and up to 30 dimensions
+# of one example. Python's json parser recurses once per level and fails near 1,000 with a
+# RecursionError; numpy stops at 64 dimensions. Deeper bodies are refused before parsing.
+MAX_NESTING = 32
+# What is left of a body once every byte but the structural ones is deleted (bytes.translate).
+_NOT_STRUCTURE = bytes(c for c in range(256) if c not in b'[]{}"')
 
 
 class RequestError(Exception):
@@ -50,11 +58,47 @@ def _json(body: bytes):
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise RequestError(400, f"the body is not UTF-8 text: byte {exc.start} cannot be decoded") from None
+    depth = _nesting(body)
+    if depth > MAX_NESTING:
+        raise RequestError(400, f"the body nests arrays or objects {depth} levels deep, deeper than the "
+                                f"{MAX_NESTING} this server reads; features are a list of examples, each "
+                                "nested as one example's shape")
     try:
         return json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
         raise RequestError(400, f"the body is not valid JSON: {exc.msg} at line {exc.lineno}, "
                                 f"column {exc.colno}") from None
+    except ValueError:  # int() refuses more than sys.get_int_max_str_digits() digits (a CPU guard, 3.10.7+)
+        raise RequestError(422, _long_number(body, sys.get_int_max_str_digits())) from None
+
+
+def _nesting(body: bytes) -> int:
+    """How deep the body's arrays and objects nest, without parsing it (bytes that are not
+    JSON give some number; the parser tells what is wrong with them)."""
+    if b"\\" in body:  # drop escapes first, so that an escaped quote does not end a string
+        body = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    structure = body.translate(None, _NOT_STRUCTURE)  # a few bytes per example, not one per number
+    codes = np.frombuffer(structure, np.uint8)
+    quotes = codes == ord('"')
+    outside = np.cumsum(quotes) % 2 == 0  # a quote opens a string, the next one closes it
+    steps = np.isin(codes, (ord("["), ord("{"))).astype(np.int64) - np.isin(codes, (ord("]"), ord("}")))
+    return int(np.cumsum(steps * outside).max(initial=0))
+
+
+def _long_number(body: bytes, limit: int) -> str:
+    """The message for the first number of more than ``limit`` digits, which names where it is."""
+    codes = np.frombuffer(body, np.uint8)
+    digits = ((codes >= ord("0")) & (codes <= ord("9"))).astype(np.int8)
+    edges = np.diff(np.concatenate(([0], digits, [0])))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    long = np.flatnonzero(ends - starts > limit)
+    where = ""
+    if len(long):
+        start, length = int(starts[long[0]]), int(ends[long[0]] - starts[long[0]])
+        line, column = body.count(b"\n", 0, start) + 1, start - body.rfind(b"\n", 0, start)
+        where = f" of {length} digits at line {line}, column {column}"
+    return (f"the body holds a number{where}, more than the {limit} digits this server reads; "
+            "an integer that long is far beyond float32's range")
 
 
 def _no_constant(name: str):
@@ -73,8 +117,11 @@ def _numbers(features) -> np.ndarray:
         bad = _first_non_number(features, "features")
         if bad is not None:
             raise RequestError(422, bad)
-        raise RequestError(422, "features: the examples (or their rows) have different lengths; "
-                                f"lengths at the first level below: {_lengths(features)}")
+        try:  # numpy keeps an int beyond int64 as an object; as a float it is a number like the others
+            array = np.asarray(features, dtype=np.float64)
+        except ValueError:
+            raise RequestError(422, "features: the examples (or their rows) have different lengths; "
+                                    f"lengths at the first level below: {_lengths(features)}") from None
     if array.dtype.kind not in "iuf":  # strings, booleans
         raise RequestError(422, _first_non_number(features, "features") or
                            f"features must be numbers, got {array.dtype.kind!r} values")

@@ -4,7 +4,8 @@ A stop (SIGTERM or SIGINT in ``serve_forever``, or ``stop()``) first marks the s
 draining, so ``/health`` answers 503 and a request arriving now gets 503; then uvicorn stops
 accepting connections, lets every request already received finish and closes each connection
 after its response; after at most ``shutdown_timeout`` seconds it cancels what is left. Last,
-the app's lifespan closes ParallelInference.
+the app's lifespan closes ParallelInference. Connections are bounded by ``ConnectionLimits``
+(``connections.py``): how many, how long headers and idle keep-alive may take, header size.
 
     server = PredictionServer("runs/lenet", port=0).start()   # a thread of this process
     print(server.url)          # http://127.0.0.1:PORT
@@ -22,11 +23,14 @@ import time
 
 from dl4py.errors import ConfigError, DL4PyError, MissingDependencyError, bind_error
 from dl4py.serve.app import make_app
+from dl4py.serve.connections import (DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEP_ALIVE_TIMEOUT, DEFAULT_MAX_HEADER_BYTES,
+                                     ConnectionLimits)
 
 log = logging.getLogger("dl4py.serve")
 
 DEFAULT_PORT = 8000
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+LISTEN_BACKLOG = 2048  # connections the kernel queues before this process accepts them
 STARTUP_SECONDS = 60.0
 
 
@@ -39,16 +43,26 @@ def _uvicorn():
 
 
 class PredictionServer:
-    """``make_app(model, **options)`` served over HTTP on ``host:port`` (port 0: any free one)."""
+    """``make_app(model, **options)`` served over HTTP on ``host:port`` (port 0: any free one).
+
+    ``max_connections`` (default 256, fewer under a low ``ulimit -n``), ``header_timeout``,
+    ``keep_alive_timeout`` and ``max_header_bytes`` bound the connections (``ConnectionLimits``).
+    """
 
     def __init__(self, model, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
-                 shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, log_level: str = "warning", **options):
+                 shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, log_level: str = "warning",
+                 max_connections: int | None = None, header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+                 keep_alive_timeout: float = DEFAULT_KEEP_ALIVE_TIMEOUT,
+                 max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES, **options):
         uvicorn = _uvicorn()
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ConfigError("--port", f"must be 0 to 65535 (0: any free port), got {port!r}")
         if isinstance(shutdown_timeout, bool) or not isinstance(shutdown_timeout, (int, float)) or shutdown_timeout < 0:
             raise ConfigError("shutdown_timeout", f"must be seconds >= 0, got {shutdown_timeout!r}")
-        self.socket = _bind(host, port)  # first: a port in use is told before the model loads
+        self.limits = ConnectionLimits(max_connections, header_timeout, keep_alive_timeout,
+                                       max_header_bytes).validate()
+        # First: a port in use is told before the model loads.
+        self.socket = _bind(host, port)
         self.host, self.port = self.socket.getsockname()[:2]  # the port chosen, for port 0
         try:
             self.app = make_app(model, **options)
@@ -57,7 +71,7 @@ class PredictionServer:
             raise
         self.service = self.app.state.service
         config = uvicorn.Config(self.app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
-                                lifespan="on", access_log=False)
+                                lifespan="on", access_log=False, **self.limits.uvicorn_settings())
         self._server = _uvicorn_server(uvicorn, config, self._drain)
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
@@ -137,11 +151,11 @@ def _bind(host: str, port: int) -> socket.socket:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     except socket.gaierror as exc:
         raise ConfigError("--host", f"{host!r} is not a host name or address here: {exc.strerror}") from None
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-        sock.listen(2048)
+        sock.listen(LISTEN_BACKLOG)
     except OSError as exc:
         sock.close()
         error = bind_error(exc, host, port)
@@ -158,6 +172,15 @@ def _uvicorn_server(uvicorn, config, on_stop):
     again once the server is down: stopping is how a server ends, so it exits normally."""
 
     class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets=sockets)
+            # asyncio listened again with uvicorn's backlog, which is also how many connections
+            # it accepts at one wake-up before any is counted (ConnectionLimits.accept_burst). The
+            # kernel's queue may be long again: a connection waiting there holds no descriptor
+            # of ours, and a short queue would drop a burst's connections for a second.
+            for sock in sockets or ():
+                sock.listen(LISTEN_BACKLOG)
+
         @contextlib.contextmanager
         def capture_signals(self):
             if threading.current_thread() is not threading.main_thread():

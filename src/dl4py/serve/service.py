@@ -12,6 +12,7 @@ import hashlib
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from math import inf
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ from dl4py.serve.body import read_features
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # about 500 MNIST images as JSON text
 DEFAULT_QUEUE_TIMEOUT = 10.0
+DEFAULT_BODY_TIMEOUT = 10.0  # the longest pause while a body arrives
 
 
 def load_model(path, backend=None):
@@ -38,7 +40,8 @@ class Service:
 
     def __init__(self, model, *, model_file=None, workers: int = 1, devices=None, inference_mode: str = "batched",
                  batch_limit: int = 32, queue_limit: int = 64, queue_timeout: float = DEFAULT_QUEUE_TIMEOUT,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, input_shape=None, labels=None):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout: float = DEFAULT_BODY_TIMEOUT,
+                 input_shape=None, labels=None):
         from dl4py.inference import ParallelInference
 
         for name, value in (("max_body_bytes", max_body_bytes), ("queue_limit", queue_limit)):
@@ -46,12 +49,15 @@ class Service:
                 raise ConfigError(name, f"must be a whole number >= 1, got {value!r}")
         if isinstance(queue_timeout, bool) or not isinstance(queue_timeout, (int, float)) or queue_timeout < 0:
             raise ConfigError("queue_timeout", f"must be seconds >= 0, got {queue_timeout!r}")
+        if isinstance(body_timeout, bool) or not isinstance(body_timeout, (int, float)) or not 0 < body_timeout < inf:
+            raise ConfigError("body_timeout", f"must be seconds > 0, got {body_timeout!r}")
         self.model = model
         self.example_shape = _example_shape(model, input_shape)
         outputs = _output_width(model, self.example_shape)
         self.classifier = _is_classifier(model)
         self.labels = _checked_labels(labels, outputs, self.classifier)
         self.max_body_bytes, self.queue_limit, self.queue_timeout = max_body_bytes, queue_limit, float(queue_timeout)
+        self.body_timeout = float(body_timeout)
         self.model_version = _weights_digest(model)
         self.metadata = {
             "model": Path(model_file).name if model_file else type(model).__name__,
