@@ -106,7 +106,7 @@ def test_wrong_tables_are_one_clear_error(tmp_path, monkeypatch):
     with pytest.raises(DataError, match=r"no parquet files"):
         TableDirectoryIterator(folder, label="y", format="parquet")
     (folder / "part-9.csv").write_text("id,a,b,y\n0.5,1.0,x,1\n")
-    with pytest.raises(DataError, match=r"part-9.csv \(rows 0-0\): feature columns must be numbers; 'b'"):
+    with pytest.raises(DataError, match=r"part-9.csv: line 2, column 'b': 'x' is not a number"):
         list(TableDirectoryIterator(folder, label="y"))
     write_tables(tmp_path / "p", "parquet")
     monkeypatch.setitem(__import__("sys").modules, "pyarrow.parquet", None)

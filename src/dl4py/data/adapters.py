@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from dl4py.data.batch_stream import BatchesIterator, LoaderIterator
-from dl4py.data.columns import dict_arrays, frame_arrays
+from dl4py.data.columns import cell_explainer, dict_arrays, first_non_finite, frame_arrays
 from dl4py.data.dataset import DataSet
 from dl4py.data.iterators import ArrayDataSetIterator, DataSetIterator, _positive_int
 from dl4py.errors import DataError
@@ -163,12 +163,17 @@ def _array_like(value) -> bool:
 
 
 def _plain(value, name: str):
-    """pandas -> numpy (numeric only); arrays and tensors as they are."""
+    """pandas -> numpy (numeric and finite only); arrays and tensors as they are."""
     if isinstance(value, (np.ndarray, torch.Tensor)):
         return value
+    kind = type(value).__name__
     array = value.to_numpy()
     if array.dtype.kind not in "biuf":
-        raise DataError(f"{name}: the pandas {type(value).__name__} holds {array.dtype} values, not numbers")
+        raise DataError(f"{name}: the pandas {kind} holds {array.dtype} values, not numbers")
+    bad = first_non_finite(array.reshape(len(array), -1))
+    if bad is not None:  # a Series is a frame of one column, named by the Series' name
+        frame = value if kind == "DataFrame" else value.to_frame()
+        raise DataError(cell_explainer(frame, f"{name}: the pandas {kind}")(bad[0], str(frame.columns[bad[1]])))
     return array
 
 

@@ -7,12 +7,20 @@ regression target ``[n, 1]``, several label columns a float target ``[n, k]``.
 
 from __future__ import annotations
 
+import math
+from typing import Callable
+
 import numpy as np
 import torch
 
 from dl4py.errors import DataError
 
-__all__ = ["frame_arrays", "dict_arrays", "labels_from_columns", "optional_import"]
+__all__ = ["frame_arrays", "dict_arrays", "labels_from_columns", "optional_import", "first_non_finite",
+           "cell_explainer", "Explain"]
+
+# Words one bad cell as a whole one-line message: (row position in the frame, column name;
+# None when the row itself is malformed) -> "FILE: line 7, column 'b': 'x' is not a number".
+Explain = Callable[[int, "str | None"], str]
 
 
 def optional_import(module: str, extra: str, what: str):
@@ -51,8 +59,12 @@ def split_columns(columns: list[str], label, features, where: str) -> tuple[list
     return wanted, labels
 
 
-def frame_arrays(frame, label, features, where: str, need_label: bool = True):
-    """A pandas DataFrame -> (features float32 [n, k], labels or None)."""
+def frame_arrays(frame, label, features, where: str, need_label: bool = True, explain: Explain | None = None):
+    """A pandas DataFrame -> (features float32 [n, k], labels or None).
+
+    A NaN or infinite feature or label is a DataError naming its column and row:
+    ``explain(row, column)`` words it (a streamed file names its line, and then a text cell
+    too); by default the row's index label. The check is one vectorized pass per array."""
     columns = [str(c) for c in frame.columns]
     if need_label and label is None:
         raise DataError(
@@ -61,10 +73,81 @@ def frame_arrays(frame, label, features, where: str, need_label: bool = True):
     feature_names, label_names = split_columns(columns, label, features, where)
     # Names are matched as text (a DataFrame made from an array has integer column names).
     original = {str(c): c for c in frame.columns}
+    if explain is not None:  # a file: its first cell that is not a number, by line
+        _raise_first_text_cell(frame, original, feature_names + (label_names or []), explain)
     x = _numeric(frame[[original[n] for n in feature_names]], where, "feature")
-    y = None if label_names is None else labels_from_columns(
-        frame[[original[n] for n in label_names]].to_numpy(), label_names, where)
+    label_values = None if label_names is None else frame[[original[n] for n in label_names]].to_numpy()
+    y = None if label_names is None else labels_from_columns(label_values, label_names, where)
+    found = [(cell[0], names[cell[1]]) for values, names in ((x, feature_names), (label_values, label_names))
+             if values is not None and (cell := first_non_finite(values)) is not None]
+    if found:  # the earliest row, so a file names its first bad line
+        raise DataError((explain or cell_explainer(frame, where))(*min(found, key=lambda cell: cell[0])))
     return x, y
+
+
+def first_non_finite(values: np.ndarray) -> tuple[int, int] | None:
+    """(row, column) of the first NaN or infinity of a 2-D array, or None. Integers pass at
+    once; floats cost one vectorized pass, and the cell is searched for only when there is one."""
+    if values.dtype.kind not in "fc":
+        return None
+    finite = np.isfinite(values)
+    if finite.all():
+        return None
+    row, column = np.argwhere(~finite.reshape(len(values), -1))[0]
+    return int(row), int(column)
+
+
+def cell_explainer(frame, where: str, row_name: Callable[[int], str] | None = None) -> Explain:
+    """``explain`` for a bad cell of ``frame``: its column, value and row, the row named by
+    ``row_name(position)`` (default: its index label, and its position when they differ)."""
+    original = {str(c): c for c in frame.columns}
+
+    def index_label(row: int) -> str:
+        label = frame.index[row]
+        label = label.item() if isinstance(label, np.generic) else label
+        return f"index {label!r}" + ("" if label == row else f" (row {row})")
+
+    def explain(row: int, column: str | None) -> str:
+        value = frame[original[column]].iloc[row]
+        if row_name is not None:
+            return f"{where}: column {column!r} is {_shown(value)} at {row_name(row)}"
+        return (f"{where}: column {column!r} is {_shown(value)} at {index_label(row)}; "
+                "drop or fill such rows first (e.g. df.dropna())")
+
+    return explain
+
+
+def _shown(value) -> str:
+    if isinstance(value, (float, np.floating)) and math.isnan(value):
+        return "NaN (a missing value)"
+    if isinstance(value, (float, np.floating)) and math.isinf(value):
+        return str(float(value))
+    return f"{value!r}, beyond float32's range"  # finite, yet inf once converted to float32
+
+
+def _raise_first_text_cell(frame, original: dict, names: list[str], explain: Explain) -> None:
+    """A DataError for the first row holding text where a number belongs (object columns only:
+    a stray word in a file's numeric column, or a column of words)."""
+    first = None
+    for name in names:
+        column = frame[original[name]]
+        if column.dtype.kind in "biuf":
+            continue
+        for row, value in enumerate(column.to_numpy()):
+            if first is not None and row >= first[0]:
+                break
+            if not _is_finite_number(value):
+                first = (row, name)
+                break
+    if first is not None:
+        raise DataError(explain(*first))
+
+
+def _is_finite_number(value) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
 
 
 def _numeric(frame, where: str, role: str) -> np.ndarray:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dl4py.data.columns import first_non_finite
 from dl4py.data.iterators import ArrayDataSetIterator, _int, _non_negative_int, _positive_int
 from dl4py.errors import DataError
 
@@ -47,6 +48,7 @@ class CsvDataSetIterator(ArrayDataSetIterator):
             num_classes = _positive_int(num_classes, "num_classes")
 
         table = _read_table(self.path, skip_lines, delimiter)
+        _check_finite(table, self.path, skip_lines)
         label_index = _int(label_index, "label_index")
         n_cols = table.shape[1]
         if n_cols < 2:
@@ -101,6 +103,15 @@ def _read_table(path: Path, skip_lines: int, delimiter: str) -> np.ndarray:
     if table.shape[0] == 0:
         raise DataError(f"{path}: no data rows (empty file, or all {skip_lines} lines skipped)")
     return table
+
+
+def _check_finite(table: np.ndarray, path: Path, skip_lines: int) -> None:
+    """numpy reads "nan" and "inf" as numbers; training on them would only end in a NaN loss."""
+    bad = first_non_finite(table)
+    if bad is not None:
+        row, col = bad
+        line = _data_lines(path, skip_lines)[row]
+        raise DataError(f"{path}: line {line}, column {col + 1}: {table[row, col]:g} is not a finite number")
 
 
 def _raise_first_bad_cell(path: Path, skip_lines: int, delimiter: str) -> None:

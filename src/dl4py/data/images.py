@@ -10,6 +10,7 @@ applies on its device. Pillow decodes the files; it is the optional extra ``dl4p
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -32,19 +33,49 @@ _AUGMENT_STREAM = 0xA46  # keeps the augmentation draws apart from the shuffle's
 
 def read_image(path, height: int, width: int, channels: int) -> np.ndarray:
     """One image file -> uint8 ``[channels, height, width]``; a DataError naming the file
-    when it cannot be decoded."""
+    when it cannot be decoded, or when it has more pixels than Pillow's limit."""
     image_module = _pillow()
     try:
-        with image_module.open(path) as image:
-            image = image.convert(_MODES[channels])  # decodes the whole file: truncation shows here
-            if image.size != (width, height):
-                image = image.resize((width, height), image_module.BILINEAR)
-            pixels = np.asarray(image, dtype=np.uint8)
+        with warnings.catch_warnings():
+            # Between its limit and twice it Pillow only warns, and would then decode it all.
+            warnings.simplefilter("error", image_module.DecompressionBombWarning)
+            with image_module.open(path) as image:
+                image = image.convert(_MODES[channels])  # decodes the whole file: truncation shows here
+                if image.size != (width, height):
+                    image = image.resize((width, height), image_module.BILINEAR)
+                pixels = np.asarray(image, dtype=np.uint8)
+    except (image_module.DecompressionBombError, image_module.DecompressionBombWarning):
+        raise DataError(_too_many_pixels(image_module, path)) from None
     except (OSError, ValueError, SyntaxError, EOFError) as exc:  # Pillow's errors for bad data
         raise DataError(f"{path}: not a readable image ({type(exc).__name__}: {exc})") from None
     if pixels.ndim == 2:
         pixels = pixels[:, :, None]
     return pixels.transpose(2, 0, 1).copy()  # contiguous, and writable (Pillow's may be read-only)
+
+
+def _too_many_pixels(image_module, path) -> str:
+    size = _header_size(image_module, path)
+    shown = f"{size[0]}x{size[1]} = {size[0] * size[1]:,} pixels" if size else "too many pixels"
+    return (f"{path}: {shown}, over Pillow's limit of {image_module.MAX_IMAGE_PIXELS:,} for one image "
+            "(its guard against decompression bombs); shrink the file, or if you trust it raise "
+            "PIL.Image.MAX_IMAGE_PIXELS before reading (None turns the guard off)")
+
+
+def _header_size(image_module, path) -> tuple[int, int] | None:
+    """(width, height) from the file's header, read by its format's own opener, which unlike
+    ``Image.open`` applies no size guard (nothing is decoded); None if that fails."""
+    try:
+        with open(path, "rb") as f:
+            prefix = f.read(16)
+            for name in image_module.ID:
+                factory, accept = image_module.OPEN[name]
+                accepted = accept(prefix) if accept is not None else True
+                if accepted and not isinstance(accepted, str):  # a str is Pillow's "no, because ..."
+                    f.seek(0)
+                    return factory(f, str(path)).size
+    except Exception:  # only a detail of the message is lost
+        return None
+    return None
 
 
 def _pillow():

@@ -22,7 +22,8 @@ from typing import Iterator
 import torch
 
 from dl4py.data.batch_stream import UnknownLengthError
-from dl4py.data.columns import frame_arrays, optional_import, split_columns
+from dl4py.data.columns import cell_explainer, frame_arrays, optional_import, split_columns
+from dl4py.data.csv_stream import csv_frames, csv_header
 from dl4py.data.dataset import DataSet
 from dl4py.data.iterators import DataSetIterator, _int, _non_negative_int, _positive_int
 from dl4py.errors import DataError
@@ -141,8 +142,7 @@ class TableDirectoryIterator(DataSetIterator):
     def _columns(self) -> list[str]:
         first = self.files[0]
         if self.format == "csv":
-            pd = optional_import("pandas", "data", "reading CSV files in chunks")
-            return [str(c) for c in pd.read_csv(first, nrows=0).columns]
+            return csv_header(first)
         pq = optional_import("pyarrow.parquet", "data", "reading Parquet files")
         return list(pq.ParquetFile(first).schema_arrow.names)
 
@@ -180,20 +180,23 @@ class TableDirectoryIterator(DataSetIterator):
         columns = self.feature_columns + self.label_columns
         for path, group, _ in pieces:
             if self.format == "csv":
-                pd = optional_import("pandas", "data", "reading CSV files in chunks")
-                frames = pd.read_csv(path, chunksize=self.chunk_rows, usecols=columns)
+                frames = csv_frames(path, columns, self.chunk_rows)
             else:
-                pq = optional_import("pyarrow.parquet", "data", "reading Parquet files")
-                optional_import("pandas", "data", "reading Parquet files")
-                batches = pq.ParquetFile(path).iter_batches(batch_size=self.chunk_rows, row_groups=[group],
-                                                            columns=columns)
-                frames = (b.to_pandas() for b in batches)
-            first = 0
-            for frame in frames:
-                where = f"{path} (rows {first}-{first + len(frame) - 1})"
-                x, y = frame_arrays(frame, self.label_columns, self.feature_columns, where)
-                first += len(frame)
+                frames = self._parquet_frames(path, group, columns)
+            for frame, explain in frames:
+                x, y = frame_arrays(frame, self.label_columns, self.feature_columns, str(path), explain=explain)
                 yield torch.from_numpy(x if x.flags.writeable else x.copy()), y
+
+    def _parquet_frames(self, path: Path, group: int, columns: list[str]):
+        """``(frame, explain)`` per chunk of row group ``group``; explain names the file's row."""
+        pq = optional_import("pyarrow.parquet", "data", "reading Parquet files")
+        optional_import("pandas", "data", "reading Parquet files")
+        file = pq.ParquetFile(path)
+        first = sum(file.metadata.row_group(g).num_rows for g in range(group))  # the file's row of the chunk's first
+        for batch in file.iter_batches(batch_size=self.chunk_rows, row_groups=[group], columns=columns):
+            frame = batch.to_pandas()
+            yield frame, cell_explainer(frame, str(path), lambda row, first=first: f"row {first + row} (counting from 0)")
+            first += len(frame)
 
     def _batched(self, chunks, generator: torch.Generator) -> Iterator[DataSet]:
         """Chunks -> batches of ``batch_size`` across chunk and file boundaries. With a shuffle
