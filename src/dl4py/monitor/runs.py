@@ -3,7 +3,10 @@
 Nothing here writes: the page shows the files training writes (no second store).
 ``metrics.jsonl`` is read from a byte offset, so a page polling a long run gets only the
 lines added since its last poll; a torn last line (a run still writing it) waits for its
-newline, and records of kinds the page does not draw are left out.
+newline, and records of kinds the page does not draw are left out. Whatever the files
+hold, memory stays bounded (``bounded.py``): a line over ``MAX_LINE_BYTES`` is skipped and
+named, each kind of record is thinned to ``SERIES_POINTS`` evenly spread ones (the last
+kept), and the small files are read only up to their limits.
 
     folder = RunFolder(Path("runs/lenet"))
     chunk = folder.metrics(offset=0)       # chunk.records, chunk.offset for the next poll
@@ -13,6 +16,7 @@ newline, and records of kinds the page does not draw are left out.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -21,17 +25,28 @@ from pathlib import Path
 import yaml
 
 from dl4py.errors import ConfigError
+from dl4py.monitor.bounded import (MAX_FILE_BYTES, MAX_LINE_BYTES, MAX_TEXT_BYTES, SERIES_POINTS, Series,
+                                   lines_before, read_capped, size_text, whole_lines)
+
+log = logging.getLogger("dl4py")
 
 # The kinds the page draws (see the contract of metrics.jsonl in docs/monitoring.md).
 KINDS = frozenset({"static", "stats", "epoch", "iteration", "evaluation"})
-# One poll reads at most this much of a file, so a page opened on a long run fills in over
-# a few quick polls instead of one huge answer.
+# The page shows the last of these alone; the others are series, thinned to SERIES_POINTS.
+LAST_ONLY = frozenset({"static", "evaluation"})
+# One poll reads at most this much of a file (whole lines), so a page opened on a long run
+# fills in over a few quick polls instead of one long one.
 MAX_READ_BYTES = 4 << 20
 STATIC_SEARCH_BYTES = 1 << 16
-RUN_FILES = ("metrics.jsonl", "result.json", "config.yaml", "environment.json")
+METRICS = "metrics.jsonl"
+RUN_FILES = (METRICS, "result.json", "config.yaml", "environment.json")
 SWEEP_FILE = "sweep.json"
 # result.json's per-epoch copies are in metrics.jsonl already; the page needs the figures.
 _RESULT_LEFT_OUT = frozenset({"history", "epoch_summaries"})
+_SKIPPED_NAMED = 3  # over-long lines named one by one; the rest are counted
+# NaN and infinities (a diverged loss) become null: the browser's JSON has neither. One
+# decoder for every line: json.loads(..., parse_constant=) builds one per call, half the cost.
+_DECODER = json.JSONDecoder(parse_constant=lambda name: None)
 
 
 @dataclass
@@ -40,48 +55,77 @@ class MetricsChunk:
     offset: int = 0  # where the next read starts: just after the last whole line read
     reset: bool = False  # the file is shorter than the offset asked for: it was replaced, start over
     more: bool = False  # more whole lines wait past MAX_READ_BYTES: poll again at once
+    seen: dict[str, int] = field(default_factory=dict)  # records read of each series kind, kept or not
+    skipped: list[tuple[int, int]] = field(default_factory=list)  # (line number, bytes), the first few
+    skipped_count: int = 0  # lines over MAX_LINE_BYTES, all of them
+
+    def skip_note(self, where: str) -> str | None:
+        """One sentence naming the skipped lines of file ``where``, or None."""
+        if not self.skipped_count:
+            return None
+        named = ", ".join(f"line {line} ({size_text(size)})" for line, size in self.skipped)
+        others = self.skipped_count - len(self.skipped)
+        return (f"{where}: {named}{f' and {others} more lines' if others else ''} over the "
+                f"{size_text(MAX_LINE_BYTES)} a record may be: skipped")
 
     def to_dict(self) -> dict:
-        return {"records": self.records, "offset": self.offset, "reset": self.reset, "more": self.more}
+        note = self.skip_note(METRICS)
+        return {"records": self.records, "offset": self.offset, "reset": self.reset, "more": self.more,
+                "seen": self.seen, "notes": [note] if note else []}
 
 
-def read_metrics(path: Path, offset: int = 0, max_bytes: int | None = MAX_READ_BYTES) -> MetricsChunk:
-    """The whole records of ``path`` from byte ``offset`` on (none if it does not exist yet)."""
+def read_metrics(path: Path, offset: int = 0, max_bytes: int | None = MAX_READ_BYTES,
+                 points: int = SERIES_POINTS) -> MetricsChunk:
+    """The whole records of ``path`` from byte ``offset`` on (none if it does not exist yet),
+    read in small pieces: lines up to about ``max_bytes`` (None: to the end), at most
+    ``points`` records of each series kind (evenly spread, the last one kept) and the last
+    ``static`` and ``evaluation`` records."""
     try:
-        size = os.stat(path).st_size
+        f = open(path, "rb")
     except FileNotFoundError:
         return MetricsChunk(offset=0, reset=offset > 0)
-    reset = size < offset
-    start = 0 if reset else offset
-    length = size - start if max_bytes is None else min(size - start, max_bytes)
-    with open(path, "rb") as f:
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        reset = size < offset
+        start = 0 if reset else offset
         f.seek(start)
-        data = f.read(length)
-    cut = length < size - start  # the read stopped at max_bytes: more lines wait
-    end = data.rfind(b"\n") + 1  # a torn last line waits for its newline
-    if end == 0 and cut:  # one line longer than a read: take it whole
-        with open(path, "rb") as f:
-            f.seek(start)
-            data = f.readline()
-        end = len(data) if data.endswith(b"\n") else 0
-    records = [r for r in map(_parse_line, data[:end].splitlines()) if r is not None]
-    return MetricsChunk(records, start + end, reset, cut)
+        series = {kind: Series(1 if kind in LAST_ONLY else points) for kind in KINDS}
+        chunk = MetricsChunk(offset=start, reset=reset)
+        for order, (line, length) in enumerate(whole_lines(f)):
+            chunk.offset += length
+            if line is None:
+                chunk.skipped_count += 1
+                if len(chunk.skipped) < _SKIPPED_NAMED:
+                    chunk.skipped.append((order + 1, length))  # made absolute below
+            elif (record := _parse_line(line)) is not None:
+                series[record["kind"]].add(order, record, length)
+            if max_bytes is not None and chunk.offset - start >= max_bytes:
+                chunk.more = chunk.offset < size
+                break
+    if chunk.skipped:
+        before = lines_before(path, start)
+        chunk.skipped = [(before + line, length) for line, length in chunk.skipped]
+    chunk.records = [record for _, record in sorted((kept for s in series.values() for kept in s.kept()),
+                                                    key=lambda kept: kept[0])]  # file order
+    chunk.seen = {kind: s.seen for kind, s in series.items() if kind not in LAST_ONLY}
+    return chunk
 
 
 def _parse_line(line: bytes) -> dict | None:
     try:
-        # NaN and infinities (a diverged loss) become null: the browser's JSON has neither.
-        record = json.loads(line, parse_constant=lambda name: None)
-    except ValueError:  # a line torn by a crash, then appended to by --resume
+        record = _DECODER.decode(line.decode("utf-8"))
+    except ValueError:  # a line torn by a crash, then appended to by --resume; not UTF-8
         return None
     return record if isinstance(record, dict) and record.get("kind") in KINDS else None
 
 
-def read_json(path: Path) -> dict | None:
-    """A JSON object file, or None when it is missing, half-written or not an object."""
+def read_json(path: Path, notes: dict[str, str] | None = None) -> dict | None:
+    """A JSON object file, or None when it is missing, half-written, not an object or over
+    ``MAX_FILE_BYTES`` (then a note joins ``notes``)."""
+    data = read_capped(path, MAX_FILE_BYTES, notes)
     try:
-        value = json.loads(path.read_text(encoding="utf-8"), parse_constant=lambda name: None)
-    except (OSError, ValueError):
+        value = _DECODER.decode(data.decode("utf-8")) if data is not None else None
+    except ValueError:
         return None
     return value if isinstance(value, dict) else None
 
@@ -102,37 +146,53 @@ class RunFolder:
         self.name = name or self.path.name
         self.label = label  # a sweep's experiment: its swept values
         self._model: dict | None = None
+        # What was logged already: each poll (and a reload) reads the same files again.
+        self._told_files: set[str] = set()
+        self._told_line = 0
 
-    def metrics(self, offset: int = 0, max_bytes: int | None = MAX_READ_BYTES) -> MetricsChunk:
-        return read_metrics(self.path / "metrics.jsonl", offset, max_bytes)
+    def metrics(self, offset: int = 0, max_bytes: int | None = MAX_READ_BYTES,
+                points: int = SERIES_POINTS) -> MetricsChunk:
+        """``metrics.jsonl`` from ``offset`` (``read_metrics``); skipped lines are logged once."""
+        chunk = read_metrics(self.path / METRICS, offset, max_bytes, points)
+        if chunk.skipped and chunk.skipped[-1][0] > self._told_line:
+            log.warning("dl4py: %s", chunk.skip_note(str(self.path / METRICS)))
+            self._told_line = chunk.skipped[-1][0]
+        return chunk
 
     def info(self) -> dict:
-        """What the page shows beside the metrics: status, result figures, environment, model, config."""
-        result = read_json(self.path / "result.json")
+        """What the page shows beside the metrics: status, result figures, environment, model,
+        config, and ``notes``: the files left out for their size."""
+        notes: dict[str, str] = {}
+        result = read_json(self.path / "result.json", notes)
+        environment = read_json(self.path / "environment.json", notes)
+        config = _read_text(self.path / "config.yaml", notes)
+        for name, note in notes.items():
+            if name not in self._told_files:
+                log.warning("dl4py: %s: %s", self.path, note)
+                self._told_files.add(name)
         return {
             "name": self.name, "label": self.label, "status": self._status(result),
             "result": {k: v for k, v in (result or {}).items() if k not in _RESULT_LEFT_OUT},
-            "environment": read_json(self.path / "environment.json"),
-            "model": self._model_summary(),
-            "config": _read_text(self.path / "config.yaml"),
+            "environment": environment, "model": self._model_summary(config is not None), "config": config,
+            "notes": list(notes.values()),
         }
 
     def _status(self, result: dict | None) -> str:
         """result.json's status, written when a run ends however it ends; "running" before
         that, and again once a resumed run appends to metrics.jsonl after it."""
-        metrics = _mtime(self.path / "metrics.jsonl")
+        metrics = _mtime(self.path / METRICS)
         if result is None or not isinstance(result.get("status"), str):
             return "running" if metrics is not None else ("starting" if self.path.is_dir() else "pending")
         ended = _mtime(self.path / "result.json")
         return "running" if metrics is not None and ended is not None and metrics > ended else result["status"]
 
-    def _model_summary(self) -> dict | None:
+    def _model_summary(self, config_readable: bool) -> dict | None:
         """The summary table from ``config.yaml``, for a run whose metrics have no StatsListener
         ``static`` record (which tells it too, a TorchModel's included, and wins on the page).
         Building the table the first time costs torch a second; the record costs nothing."""
         if self._model is None and self._has_static_record():
             self._model = {}
-        if self._model is None and (self.path / "config.yaml").is_file():
+        if self._model is None and config_readable:
             try:
                 from dl4py.config import RunConfig
                 from dl4py.nn.summary import summary_table
@@ -146,7 +206,7 @@ class RunFolder:
     def _has_static_record(self) -> bool:
         """Whether metrics.jsonl starts with a ``static`` record (written at fit start, so the
         first lines hold it)."""
-        chunk = read_metrics(self.path / "metrics.jsonl", 0, max_bytes=STATIC_SEARCH_BYTES)
+        chunk = read_metrics(self.path / METRICS, 0, max_bytes=STATIC_SEARCH_BYTES)
         return any(record["kind"] == "static" for record in chunk.records)
 
 
@@ -157,10 +217,11 @@ def _mtime(path: Path) -> int | None:
         return None
 
 
-def _read_text(path: Path) -> str | None:
+def _read_text(path: Path, notes: dict[str, str]) -> str | None:
+    data = read_capped(path, MAX_TEXT_BYTES, notes)
     try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
+        return data.decode("utf-8") if data is not None else None
+    except UnicodeDecodeError:
         return None
 
 
@@ -171,11 +232,13 @@ class SweepFolder:
         from dl4py.sweep.plan import Plan
 
         self.path = Path(path)
-        data = read_json(self.path / SWEEP_FILE)
+        too_big: dict[str, str] = {}
+        data = read_json(self.path / SWEEP_FILE, too_big)
         try:
             self.plan = Plan.from_dict(data)
         except (TypeError, KeyError, ValueError, AttributeError):
-            raise ConfigError(str(self.path / SWEEP_FILE), "cannot be read as a sweep plan") from None
+            why = f" ({too_big[SWEEP_FILE]})" if too_big else ""
+            raise ConfigError(str(self.path / SWEEP_FILE), f"cannot be read as a sweep plan{why}") from None
         short = _short_keys(self.plan.keys)
         self.runs = [RunFolder(self.path / e.name, e.name, e.label(short)) for e in self.plan.experiments]
 
@@ -251,11 +314,3 @@ def _names(paths: list[Path]) -> list[str]:
     """Each run's folder name; with the parent's too where two runs share a name."""
     names = [p.name or str(p) for p in paths]
     return [f"{p.resolve().parent.name}/{n}" if names.count(n) > 1 else n for p, n in zip(paths, names)]
-
-
-def thin(records: list[dict], limit: int) -> list[dict]:
-    """At most ``limit`` records, evenly spread, the last one kept (a report's long run)."""
-    if len(records) <= limit:
-        return records
-    step = (len(records) - 1) / (limit - 1)
-    return [records[round(i * step)] for i in range(limit)]

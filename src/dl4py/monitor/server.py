@@ -4,8 +4,10 @@ It serves one page (``page.live_page``), its scripts from the package (no CDN: i
 offline) and one JSON call, ``/api/poll?offsets=A,B,...``, which the page makes every two
 seconds: the runs' status and each run's metrics.jsonl records past the byte offsets the
 page already holds, so a new epoch or stats point appears without a reload and a poll
-reads only what was added. The server reads the run directories and keeps no store of
-its own. It binds to 127.0.0.1 unless told another host: the page is for the user
+reads only what was added. A poll reads at most about 4 MiB of lines, never a line over
+1 MiB, and answers with at most 2,000 records of each kind per run (``runs.read_metrics``):
+its answer and the server's memory stay bounded whatever the files hold. The server reads
+the run directories and keeps no store of its own. It binds to 127.0.0.1 unless told another host: the page is for the user
 at the machine (or through an SSH tunnel).
 
     server = UIServer([Path("runs/a"), Path("runs/b")], port=0)
@@ -82,6 +84,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _send(self, body: bytes, content_type: str) -> None:
         self.send_response(HTTPStatus.OK)
         self.send_header("Content-Type", content_type)
+        self.send_header("X-Content-Type-Options", "nosniff")  # a run's strings in the JSON never read as HTML
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Cache-Control", "no-store")  # a reload after `pip install -U` gets the new page
         self.end_headers()

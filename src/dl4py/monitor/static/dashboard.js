@@ -1,9 +1,12 @@
 /* dl4py's training page: the charts of `dl4py ui` (live, polling the server) and of
  * `dl4py report` (the same page with its data inlined). One file draws both.
  *
- * Data, in both cases one object: {title, runs: [run info], sweep: sweep info | null,
- * metrics: [{records, offset, reset, more}]} with one metrics chunk per run: the records
- * of its metrics.jsonl from the offset the page asked for (see dl4py/monitor/runs.py).
+ * Data, in both cases one object: {title, points, runs: [run info], sweep: sweep info | null,
+ * metrics: [{records, offset, reset, more, seen, notes}]} with one metrics chunk per run: the
+ * records of its metrics.jsonl from the offset the page asked for, each kind thinned to
+ * `points` (seen: how many each kind had), notes on lines skipped (see dl4py/monitor/runs.py).
+ * The page keeps at most twice `points` of each series, and says when it shows fewer than
+ * a run wrote.
  *
  *   DL4PY.start({poll: "api/poll", every: 2000})   // live: polls, adds new points in place
  *   DL4PY.start({data: {...}})                      // report: draws once
@@ -18,8 +21,12 @@
   // DL4J's rule of thumb for the update:parameter ratio: about 1e-3 (log10 -3).
   var RATIO_TARGET = -3;
 
+  var SERIES = ["stats", "iteration", "epoch"];
+  var NOTES_KEPT = 10;  // per run: a file full of bad lines must not fill the page
+
   var DL4PY = window.DL4PY = {charts: {}, state: null, polls: 0};
-  var state = DL4PY.state = {runs: [], sweep: null, selected: 0, userSelected: false, sort: null, title: ""};
+  var state = DL4PY.state = {runs: [], sweep: null, selected: 0, userSelected: false, sort: null, title: "",
+                             points: 0};
 
   // -- the charts: what each shows, where its points come from -------------------------
 
@@ -422,7 +429,8 @@
   // -- page state ----------------------------------------------------------------------
 
   function newRun(info) {
-    return {info: info, static: null, stats: [], epoch: [], iteration: [], evaluation: null, offset: 0};
+    return {info: info, static: null, stats: [], epoch: [], iteration: [], evaluation: null, offset: 0,
+            seen: {}, notes: []};
   }
 
   function addRecords(run, chunk) {
@@ -435,12 +443,25 @@
       else if (r.kind === "evaluation") run.evaluation = r;
       else if (run[r.kind]) run[r.kind].push(r);
     });
+    SERIES.forEach(function (kind) {
+      run[kind] = thinned(run[kind], state.points);
+      run.seen[kind] = (run.seen[kind] || 0) + ((chunk.seen || {})[kind] || 0);
+    });
+    (chunk.notes || []).forEach(function (note) { if (run.notes.length < NOTES_KEPT) run.notes.push(note); });
     run.offset = chunk.offset;
-    return chunk.records.length > 0 || chunk.reset;
+    return chunk.records.length > 0 || chunk.reset || (chunk.notes || []).length > 0;
+  }
+
+  // A live page's series past twice the limit loses every other point (the last one stays),
+  // so a run followed for days costs the page what a short one does.
+  function thinned(points, limit) {
+    if (!limit || points.length <= 2 * limit) return points;
+    return points.filter(function (_, i) { return (points.length - 1 - i) % 2 === 0; });
   }
 
   function apply(data) {
     state.title = data.title;
+    state.points = data.points || 0;
     document.title = data.title;
     document.getElementById("title").textContent = data.title;
     var changed = false;
@@ -460,6 +481,26 @@
     drawRunTable();
     drawRunDetails();
     drawCharts();
+    drawNotes();
+  }
+
+  // What the page does not show: series thinned, lines skipped, files left out.
+  function drawNotes() {
+    var notes = [];
+    state.runs.forEach(function (run) {
+      var name = runLabel(run);
+      SERIES.forEach(function (kind) {
+        var seen = run.seen[kind] || 0, shown = run[kind].length;
+        if (seen > shown) {
+          notes.push(name + ": showing " + count(shown) + " of " + count(seen) + " points of its \"" + kind +
+                     "\" records (evenly spread, the last one kept)");
+        }
+      });
+      run.notes.concat(run.info.notes || []).forEach(function (note) { notes.push(name + ": " + note); });
+    });
+    var list = document.getElementById("notes");
+    list.replaceChildren.apply(list, notes.map(function (note) { return el("li", {textContent: note}); }));
+    list.hidden = notes.length === 0;
   }
 
   // Until the user picks one, the run shown in detail is a sweep's best, else the first
@@ -563,6 +604,8 @@
   function setStatus(message) { document.getElementById("status").textContent = message; }
 
   function isNumber(v) { return typeof v === "number" && isFinite(v); }
+
+  function count(n) { return n.toLocaleString("en-US"); }
 
   function first(a, b) { return isNumber(a) ? a : b; }
 
