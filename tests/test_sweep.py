@@ -27,7 +27,8 @@ from dl4py.folders import FolderLock
 from dl4py.sweep import expand, make_slots, parse_range, run
 from dl4py.sweep.plan import Plan, normalise_grid
 from dl4py.sweep.processes import Job, ProcessQueue
-from dl4py.sweep.results import collect_rows
+from dl4py.sweep import results
+from dl4py.sweep.results import collect_rows, read_result
 from dl4py.sweep.runner import _claim
 from dl4py.sweep.slots import available_cpus
 
@@ -301,3 +302,18 @@ def test_two_sweeps_never_share_a_folder(grid_sweep, tmp_path, capsys):
     with pytest.raises(ConfigError, match="another sweep already owns"):
         _claim(claimed, "{}")
     assert claimed.read_text() == "{}" and list(tmp_path.iterdir()) == [claimed]
+
+
+def test_a_result_json_over_its_limit_or_not_an_object_counts_as_no_result(tmp_path, monkeypatch):
+    """The sweep table reads each experiment's result.json no further than its limit: one edited
+    into something huge, or into JSON that is not an object, is no result, not a crash."""
+    run_dir = tmp_path / "lr=0.1"
+    run_dir.mkdir()
+    (run_dir / "result.json").write_text(json.dumps({"status": "completed", "accuracy": 0.5}))
+    assert read_result(run_dir) == {"status": "completed", "accuracy": 0.5}
+    monkeypatch.setattr(results, "RESULT_LIMIT", 16)
+    (run_dir / "result.json").write_text('{"a": 1}' + " " * 64)  # its first 17 bytes are JSON too
+    assert read_result(run_dir) is None
+    monkeypatch.undo()
+    (run_dir / "result.json").write_text("[1, 2]")
+    assert read_result(run_dir) is None

@@ -44,11 +44,21 @@ def direction(metric: str) -> str:
     return "higher is better" if METRICS[metric] else "lower is better"
 
 
+# A run's result.json is a few hundred bytes; one edited or written by something else is
+# read no further than this, and counts as no result.
+RESULT_LIMIT = 16 * 1024 * 1024
+
+
 def read_result(run_dir: Path) -> dict | None:
     try:
-        return json.loads((run_dir / "result.json").read_text())
+        with open(run_dir / "result.json", "rb") as f:
+            data = f.read(RESULT_LIMIT + 1)
+        if len(data) > RESULT_LIMIT:
+            return None
+        result = json.loads(data)
     except (OSError, ValueError):
         return None
+    return result if isinstance(result, dict) else None
 
 
 def is_completed(run_dir: Path) -> bool:
