@@ -20,7 +20,7 @@ OUT ?= benchmarks/results
 # Wheels carried to a machine without network (dl4py serve's starlette and uvicorn), installed beside it.
 WHEELS ?= .whl
 
-.PHONY: setup demo demo-parallel test bench gpu-check
+.PHONY: setup demo demo-parallel test bench soak gpu-check
 
 setup:
 	$(if $(TORCH),$(PYTHON) -m pip install -q "$(TORCH)")
@@ -34,6 +34,10 @@ test: setup
 
 bench: setup
 	$(PYTHON) -m dl4py bench all
+
+# Memory that must stay flat: 20 fits, 10 epochs, 10 sweeps, 5 minutes of serving (about 10 min).
+soak: setup
+	$(PYTHON) benchmarks/soak.py --out $(OUT)
 
 # No `setup` first: a GPU machine has its own PyTorch build and often no network.
 gpu-check:
