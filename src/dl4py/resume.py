@@ -77,6 +77,34 @@ def check_resume(config: RunConfig, checkpoint_model, run_dir: Path) -> None:
     log.info("resuming at an epoch boundary with changed data or batching: %s", what)
 
 
+def resumed_message(run_dir: Path, model, saved_meta: dict, batches_per_epoch: int | None) -> str:
+    """What ``--resume`` continues and what it restored, e.g. "resuming runs/mlp at epoch 3,
+    iteration 4,957, batch 1,207 of 1,875; weights, updater state, loss scale, RNG and data
+    position restored". Named only where restored: the loss scale when the checkpoint holds
+    the scaler's state and this run scales the loss, the data position part-way through an
+    epoch (its first batches are read again and skipped). The RNG needs no state: training
+    seeds it for each batch from the batch's position (``train/randomness.py``)."""
+    where = f"resuming {run_dir} at epoch {model.epoch_count:,}, iteration {model.iteration_count:,}"
+    if model.batch_in_epoch:
+        total = f" of {batches_per_epoch:,}" if batches_per_epoch is not None else ""
+        where += f", batch {model.batch_in_epoch:,}{total}"
+    else:
+        where += ", at the epoch's start"
+    parts = ["weights"]
+    if model.master is not None and saved_meta["precision"] == model.precision.name:
+        parts.append("float32 master weights")
+    if saved_meta["has_updater"]:
+        parts.append("updater state")
+    if model.scaler is not None and saved_meta.get("scaler"):
+        parts.append("loss scale")
+    if model.normalizer is not None:
+        parts.append("normalizer")
+    parts.append("RNG")
+    if model.batch_in_epoch:
+        parts.append("data position")
+    return f"{where}; {', '.join(parts[:-1])} and {parts[-1]} restored"
+
+
 def _decides_batches(path: str) -> bool:
     return any(path == key or path.startswith(key + ".") for key in EPOCH_COMPOSITION_KEYS)
 

@@ -29,7 +29,8 @@ from dl4py.launchers import choose_launcher, fit_on_spark
 from dl4py.monitor.environment import environment_record
 from dl4py.monitor.run_logging import RunLogging, class_fields
 from dl4py.nn.loading import load, network_model
-from dl4py.resume import check_resume
+from dl4py.nn.model_file import read_meta
+from dl4py.resume import check_resume, resumed_message
 from dl4py.run_dir import CHECKPOINT, MODEL, RunRecord, prepare_run_dir, remove_new_run, saved_files
 from dl4py.train.listeners import (
     CheckpointListener,
@@ -134,7 +135,6 @@ def _train_locked(config: RunConfig, run_dir: Path, resume: bool, progress, reco
     if resume:
         model = load(checkpoint, backend=config.training.backend, precision=config.training.precision)
         check_resume(config, model, run_dir)
-        log.info("resuming %s at epoch %d, iteration %d", run_dir, model.epoch_count, model.iteration_count)
     model.init()
     model.set_accumulate_batches(config.training.accumulate_batches)  # a setting of the run, not of the file
     auto = config.training.batch_size == "auto"
@@ -146,6 +146,8 @@ def _train_locked(config: RunConfig, run_dir: Path, resume: bool, progress, reco
             iterator.batch_size = config.training.batch_size  # the data read once, batched as chosen
     train, validation = make_validation(config.data, train, config.training.batch_size)
     _attach_normalizer(model, config.data, train, resume)  # on the training part only
+    if resume:
+        log.info("%s", resumed_message(run_dir, model, read_meta(checkpoint), batches_of(train)))
     atomic_write_text(run_dir / "config.yaml", config.to_yaml())
     atomic_write_json(run_dir / "environment.json", environment_record(model))
     record.config, record.model = config, model
@@ -283,7 +285,7 @@ def _parallel_options(training, listeners: list) -> tuple[dict, list]:
         workers=training.workers, prefetch_buffer=training.prefetch_buffer,
         averaging_frequency=training.averaging_frequency,
         report_score_after_averaging=training.report_score_after_averaging,
-        training_mode=training.mode(), tensor_parallel_size=training.tensor_parallel_size,
+        training_mode=training.mode(), tensor_parallel_size=training.tensor_parallel_size, timeout=training.timeout,
     )
     return options, [l for l in listeners if not isinstance(l, PerformanceListener)]
 

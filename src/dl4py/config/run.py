@@ -215,6 +215,7 @@ class TrainingConfig(ConfigBase):
     tensor_parallel_size: Optional[int] = None
     prefetch_buffer: int = 16  # batches each worker keeps ready
     report_score_after_averaging: bool = False
+    timeout: float = 300.0  # seconds a rank may wait for another (a collective, a batch) before it is an error
     early_stopping: Optional[EarlyStoppingSection] = None
 
     def validate(self, where: str) -> None:
@@ -230,7 +231,7 @@ class TrainingConfig(ConfigBase):
         if self.workers == 1:  # options of the parallel trainer must not be silently ignored
             for name, inert in (("training_mode", "averaging"), ("averaging_frequency", None),
                                 ("report_score_after_averaging", False), ("parallelism", None),
-                                ("tensor_parallel_size", None)):
+                                ("tensor_parallel_size", None), ("timeout", 300.0)):
                 if getattr(self, name) != inert:
                     raise ConfigError(join(where, name), "applies to parallel training only: set training.workers > 1")
         self.mode(where)
@@ -260,7 +261,8 @@ class TrainingConfig(ConfigBase):
         return ParallelOptions(workers=self.workers, prefetch_buffer=self.prefetch_buffer,
                                averaging_frequency=self.averaging_frequency,
                                report_score_after_averaging=self.report_score_after_averaging,
-                               training_mode=self.mode(), tensor_parallel_size=self.tensor_parallel_size)
+                               training_mode=self.mode(), tensor_parallel_size=self.tensor_parallel_size,
+                               timeout=self.timeout)
 
 
 @dataclass(frozen=True)

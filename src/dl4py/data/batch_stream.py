@@ -9,10 +9,20 @@ Training needs no length; `ProgressBar` draws without one.
 
 from __future__ import annotations
 
+import weakref
 from typing import Iterator
 
 import numpy as np
 import torch
+from torch.utils.data import (
+    BatchSampler,
+    DistributedSampler,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
+from torch.utils.data.dataloader import _InfiniteConstantSampler
 
 from dl4py.data.columns import dict_arrays
 from dl4py.data.dataset import DataSet
@@ -89,7 +99,11 @@ class LoaderIterator(BatchStreamIterator):
     Each epoch calls ``set_epoch(epoch)`` on the loader's sampler and dataset where they
     have one (``DistributedSampler``, a dl4py table dataset), and reseeds ``generator``
     (the one dl4py gave a Dataset it batches itself) with ``seed + epoch``, the order an
-    ArrayDataSetIterator with the same seed visits."""
+    ArrayDataSetIterator with the same seed visits. A generator of the user's (the loader's,
+    a sampler's) gets ``s + epoch``, ``s`` the seed it had when dl4py first read it, as a
+    DistributedSampler reseeds itself: an epoch's order then depends on its number alone,
+    and an epoch read again (resumed part-way) is read in the same order. A sampler without
+    a generator draws from torch's, which the trainer seeds (``train/randomness.py``)."""
 
     def __init__(self, loader, generator: torch.Generator | None = None, seed: int = 0,
                  label=None, features=None):
@@ -111,17 +125,65 @@ class LoaderIterator(BatchStreamIterator):
     def _epoch_batches(self, epoch: int):
         if self.generator is not None:
             self.generator.manual_seed(self.seed + epoch)
+        for generator in self._users_generators():
+            _reseed(generator, epoch)
         for part in (self.loader.sampler, self.loader.batch_sampler, self.loader.dataset):
             set_epoch = getattr(part, "set_epoch", None)
             if callable(set_epoch):
                 set_epoch(epoch)
         return iter(self.loader)
 
+    def _users_generators(self) -> list[torch.Generator]:
+        loader = self.loader
+        found = [loader.generator] + [getattr(part, "generator", None) for part in _samplers(loader)]
+        unique = {id(g): g for g in found if isinstance(g, torch.Generator) and g is not self.generator}
+        return list(unique.values())
+
+    def replay_refusal(self) -> str | None:
+        loader = self.loader
+        if loader.num_workers > 0 and loader.persistent_workers:
+            return ("the DataLoader keeps its worker processes (persistent_workers=True), and their random state, "
+                    "which carries over from the epochs before, cannot be restored; use persistent_workers=False")
+        for part in _samplers(loader):
+            if type(part) not in _REPLAYABLE_SAMPLERS and not callable(getattr(part, "set_epoch", None)):
+                return (f"the DataLoader's {type(part).__name__} may give another order each time it is read, "
+                        "which dl4py cannot replay; give it a set_epoch(epoch) that makes its order depend on "
+                        "the epoch alone (as DistributedSampler's does)")
+        return None
+
     def _peek(self) -> DataSet:
         return to_dataset(next(iter(self.loader)), repr(self), self.label, self.features)
 
     def __repr__(self) -> str:
         return f"LoaderIterator({type(self.loader.dataset).__name__}, batch_size={self.batch_size})"
+
+
+# Samplers whose order is their generator's (or torch's) draw and nothing else: the same
+# seeds give the same order. Others must say so with a set_epoch.
+_REPLAYABLE_SAMPLERS = (SequentialSampler, RandomSampler, SubsetRandomSampler, WeightedRandomSampler, BatchSampler,
+                        DistributedSampler, _InfiniteConstantSampler)
+# A user's generator -> (the seed it had when dl4py first read it, the seed dl4py gave it last).
+_FIRST_SEEDS: "weakref.WeakKeyDictionary[torch.Generator, tuple[int, int]]" = weakref.WeakKeyDictionary()
+
+
+def _samplers(loader) -> list:
+    """The loader's sampler and batch sampler (with the sampler a batch sampler wraps)."""
+    parts = [loader.sampler]
+    if loader.batch_sampler is not None:
+        parts += [loader.batch_sampler, getattr(loader.batch_sampler, "sampler", None)]
+    return [part for part in dict.fromkeys(parts) if part is not None]
+
+
+def _reseed(generator: torch.Generator, epoch: int) -> None:
+    """``generator`` seeded with ``first + epoch``: ``first`` is its seed when dl4py first
+    read it, or the one its owner gave it since (a fit per epoch, or a fresh process, counts
+    from the same seed)."""
+    first, given = _FIRST_SEEDS.get(generator, (None, None))
+    if first is None or generator.initial_seed() != given:
+        first = generator.initial_seed()
+    seed = (first + epoch) % 2**64
+    generator.manual_seed(seed)
+    _FIRST_SEEDS[generator] = (first, seed)
 
 
 class BatchesIterator(BatchStreamIterator):

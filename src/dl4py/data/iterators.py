@@ -28,6 +28,10 @@ class DataSetIterator:
 
     batch_size: int
     _next_epoch = 0  # a class default, so subclasses need not call super().__init__()
+    # Whether reading a batch may draw from numpy's or python's global generators, which the
+    # trainer then seeds for each batch as it does torch's (train/randomness.py). Assumed of
+    # an iterator dl4py does not know; dl4py's own draw from generators of their own.
+    draws_from_global_generators = True
 
     def __iter__(self) -> Iterator[DataSet]:
         raise NotImplementedError
@@ -58,6 +62,11 @@ class DataSetIterator:
     def set_epoch(self, epoch: int) -> None:
         """Make the next ``__iter__`` use the order of ``epoch``; later ones continue from it."""
         self._next_epoch = _non_negative_int(epoch, "epoch")
+
+    def replay_refusal(self) -> str | None:
+        """Why an epoch of this iterator, read again, may not give the same batches in the same
+        order (a resumed epoch reads its first batches again and skips them); None when it does."""
+        return None
 
     def reset(self) -> None:
         """DL4J's name for "start over". Every ``__iter__`` already starts at the first
@@ -101,6 +110,14 @@ class WrappedIterator(DataSetIterator):
     def set_epoch(self, epoch: int) -> None:
         if hasattr(self.iterator, "set_epoch"):
             self.iterator.set_epoch(epoch)
+
+    @property
+    def draws_from_global_generators(self) -> bool:
+        return getattr(self.iterator, "draws_from_global_generators", True)
+
+    def replay_refusal(self) -> str | None:
+        inner = getattr(self.iterator, "replay_refusal", None)
+        return inner() if inner is not None else None
 
     def _take_epoch(self) -> int:
         return self.iterator._take_epoch()
@@ -201,6 +218,11 @@ class ArrayDataSetIterator(DataSetIterator):
             return torch.arange(self._n)
         generator = torch.Generator().manual_seed(self.seed + _non_negative_int(epoch, "epoch"))
         return torch.randperm(self._n, generator=generator)
+
+    @property
+    def draws_from_global_generators(self) -> bool:
+        # Its shuffle has a generator of its own; a subclass that makes its batches its own way may draw.
+        return type(self)._batch is not ArrayDataSetIterator._batch
 
     def _batch(self, indices: slice | torch.Tensor) -> DataSet:
         # The only per-batch work: a view for slices, one gather per tensor otherwise.

@@ -43,7 +43,7 @@ class Model:
         self.precision: Precision | None = None
         self.module: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
-        self.seed = 0  # seeds in-step randomness (dropout) per epoch
+        self.seed = 0  # seeds in-step randomness (dropout) per batch: train/randomness.py
         self.master = None  # MasterWeights when the precision keeps float32 masters
         self.scaler = None  # GradScaler when the precision scales the loss
         self.epoch_count = 0  # completed epochs
@@ -54,8 +54,6 @@ class Model:
         self._stop_reason: str | None = None
         self._train_step = None  # made at the first train_step, for this model's state
         self._gradient_hook = None  # share_gradients: runs between backward and update
-        self.epoch_randomness = None  # train.epoch.EpochRandomness of the epoch in progress
-        self._saved_randomness = None  # its generators' state where an unfinished epoch stopped
         self._channels_last = False  # convolutions in NHWC (environment setting channels_last)
         # The data set copy on the device that fit keeps between calls (DeviceDataSetIterator).
         self.device_data = None
@@ -86,7 +84,7 @@ class Model:
         self.update_count  # pending device counts become a number that pickles anywhere
         state = dict(self.__dict__)
         for name in ("module", "optimizer", "master", "scaler", "_train_step", "_gradient_hook", "backend",
-                     "precision", "device_data", "epoch_randomness", "parallel_layout"):
+                     "precision", "device_data", "parallel_layout"):
             state[name] = None
         return state
 
@@ -282,18 +280,6 @@ class Model:
 
     def clear_stop_request(self) -> None:
         self._stop_reason = None
-
-    def randomness_state(self) -> dict | None:
-        """The state of the generators dropout draws from, at the model's position in an
-        unfinished epoch (None at an epoch boundary, where (seed, epoch) decide it): what a
-        checkpoint keeps so that a run resumed mid-epoch draws the masks it would have."""
-        if self.batch_in_epoch == 0:
-            return None
-        live = self.__dict__.get("epoch_randomness")  # absent from models pickled before it existed
-        return live.snapshot() if live is not None else self.__dict__.get("_saved_randomness")
-
-    def set_randomness_state(self, state: dict | None) -> None:
-        self._saved_randomness = state
 
     def score(self, data=None, *, batch_size: int | None = None, label=None, features=None) -> float:
         """Loss of the last training minibatch (DL4J's ``score()``), or mean loss on ``data``."""

@@ -40,7 +40,8 @@ class ModelFile:
     """The checked content of a model file. ``updater`` is the optimizer state dict ready for
     ``load_state_dict`` (None when the file has none, or the caller skips it); ``normalizer``
     the model's fitted Normalizer (None when it has none); ``randomness`` the generators' state
-    of a model saved part-way through an epoch (``Model.randomness_state``), else None."""
+    that files of earlier dl4py versions kept for a model saved part-way through an epoch
+    (checked, and not used: training now seeds its generators per batch), else None."""
 
     path: str  # for messages: the file's path, or "<model bytes>"
     meta: dict[str, Any]
@@ -76,8 +77,20 @@ def read_model_file(source) -> ModelFile:
     return ModelFile(label, meta, config, weights, masters, updater, normalizer, randomness)
 
 
+def read_meta(source) -> dict[str, Any]:
+    """meta.json of a model file, checked: what the file holds (counters, precision, whether
+    it has updater and loss scaler state), without reading its tensors."""
+    label = "<model bytes>" if isinstance(source, (bytes, bytearray)) else str(source)
+    entries = _read_entries(source, label, names=("meta.json",))
+
+    def fail(what: str) -> ModelFileError:
+        return ModelFileError(label, what)
+
+    return _check_meta(_json(entries, "meta.json", fail), label, fail)
+
+
 # ---- the zip ------------------------------------------------------------------------------
-def _read_entries(source, label: str) -> dict[str, bytes]:
+def _read_entries(source, label: str, names=_JSON_ENTRIES + _TENSOR_ENTRIES) -> dict[str, bytes]:
     if isinstance(source, (bytes, bytearray)):
         source = io.BytesIO(source)
     else:
@@ -97,8 +110,8 @@ def _read_entries(source, label: str) -> dict[str, bytes]:
     with archive:
         for info in archive.infolist():
             name = info.filename
-            if name not in _JSON_ENTRIES and name not in _TENSOR_ENTRIES:
-                continue  # never opened: a foreign entry can be a zip bomb
+            if name not in names:
+                continue  # never opened (a foreign entry can be a zip bomb), or not asked for
             if name in entries:
                 raise ModelFileError(label, f"entry {name} appears twice")
             try:
@@ -217,7 +230,7 @@ def _normalizer(entries: dict[str, bytes], wanted: bool, fail):
 
 def _randomness(entries: dict[str, bytes], position: Any, fail) -> dict | None:
     """meta.json's ``randomness`` ([epoch, batch, stream]) + randomness.safetensors (byte
-    tensors of torch's generator states) -> ``Model.randomness_state``'s dict, or None."""
+    tensors of torch's generator states; written by earlier dl4py versions) -> a dict, or None."""
     if position is None:
         if "randomness.safetensors" in entries:
             raise fail("entry randomness.safetensors is present but meta.json names no randomness position")

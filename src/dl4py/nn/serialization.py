@@ -6,9 +6,10 @@ Entries: ``meta.json`` (format, kind, counters, precision, versions), ``config.j
 master weights of ``half``/``bfloat16`` models), and when asked ``updater.json`` +
 ``updater.safetensors`` (the optimizer's state; the loss scaler's state is in meta.json), and
 for a model with a normalizer ``normalizer.json`` + ``normalizer.safetensors`` (its kind,
-settings and float64 statistics: a loaded model normalizes as the saved one), and for a
-model saved part-way through an epoch ``randomness.safetensors`` (the state of the
-generators dropout draws from there, so a resumed run draws the same masks). The file is written to a
+settings and float64 statistics: a loaded model normalizes as the saved one). No
+generator state: training seeds its generators for each batch from its position
+(``train/randomness.py``), so a run resumed part-way through an epoch draws what it would
+have drawn. The file is written to a
 temporary name and renamed, so a crash mid-save leaves the previous file intact. Reading is
 ``model_file.read_model_file``: every entry checked, every defect one error naming the file.
 """
@@ -54,9 +55,6 @@ def model_bytes(model, save_updater: bool = True) -> bytes:
         "has_updater": save_updater,
         "has_normalizer": model.normalizer is not None,
     }
-    randomness = model.randomness_state()
-    if randomness is not None:
-        meta["randomness"] = list(randomness["position"])  # [epoch, batch, stream]
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_STORED) as zf:
         zf.writestr("meta.json", json.dumps(meta, indent=2))
@@ -73,9 +71,6 @@ def model_bytes(model, save_updater: bool = True) -> bytes:
             settings, stats = model.normalizer.state()
             zf.writestr("normalizer.json", json.dumps(settings))
             zf.writestr("normalizer.safetensors", st_save(_cpu_tensors(stats)))
-        if randomness is not None:
-            generators = {name: randomness[name] for name in ("cpu", "cuda") if name in randomness}
-            zf.writestr("randomness.safetensors", st_save(_cpu_tensors(generators)))
     return buffer.getvalue()
 
 
@@ -122,7 +117,6 @@ def restore_saved(model, saved: ModelFile) -> None:
             raise DataError(f"{path}: the saved loss scaler state is not usable: {exc!r}") from None
     if meta.get("score") is not None:
         model.set_score(meta["score"])
-    model.set_randomness_state(saved.randomness)
 
 
 @torch.no_grad()

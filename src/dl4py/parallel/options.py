@@ -37,7 +37,9 @@ class ParallelOptions:
       split across the workers, which all train the same batches) or ``"hybrid"`` (data
       parallel convolutions, tensor parallel dense layers — ``parallel/tensor_parallel.py``).
     - ``devices``: e.g. ``["cuda:0", "cuda:1"]`` or ``["cpu"]`` (default: the model's backend).
-    - ``timeout``: seconds any wait on another process may last before it is an error.
+    - ``timeout``: seconds any wait on another process may last before it is an error; a
+      rank kept waiting that long at a collective has the rank that did not arrive named,
+      with the phase it is in, and the fit ends (``parallel/watchdog.py``).
     - ``tensor_parallel_size``: ranks each dense pair is split over (``"tensor"``, ``"hybrid"``;
       it divides ``workers``): the workers form ``workers / size`` data-parallel groups of
       that many (a 2-D device mesh). Default: all workers, one group.

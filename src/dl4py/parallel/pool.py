@@ -6,6 +6,11 @@ from, the options) and watches them until all report. Between fits the workers w
 DL4J's usual loop calls ``fit`` once per epoch, so starting processes (seconds) per fit
 would cost more than the epoch on a small model.
 
+While a fit runs, the coordinator reads the workers' shared board (``watchdog.py``): a
+worker that keeps the others waiting at a collective for longer than ``timeout`` is named
+(``WorkerError``) and every worker is killed. A worker that dies is named with the phase
+it was in.
+
 A fit that needs other processes (worker count, devices, training mode, timeout, CUDA
 environment: ``PoolLayout``) restarts the pool; a failed fit tears it down, and the next
 fit starts a fresh one. The pool ends with ``close()``, when its owner is collected, or at
@@ -28,6 +33,7 @@ from pathlib import Path
 
 from dl4py.errors import TrainingError, WorkerError
 from dl4py.parallel.messages import Done, Failed, Job, Ready
+from dl4py.parallel.phase import describe
 from dl4py.parallel.pool_worker import WorkerChannels, spawned_worker_main
 from dl4py.parallel.processes import (
     GRACE_SECONDS,
@@ -41,6 +47,7 @@ from dl4py.parallel.processes import (
 )
 from dl4py.parallel.rank import RankReport
 from dl4py.parallel.sources import deal_batches
+from dl4py.parallel.watchdog import SharedBoard, missing
 from dl4py.train.loop import TrainingInterrupted
 
 log = logging.getLogger("dl4py")
@@ -62,7 +69,7 @@ class PoolLayout:
     backend: str  # of the process group: nccl or gloo
     training_mode: str
     inbox_size: int  # batches a worker's inbox holds (iterators the coordinator deals)
-    timeout: float  # of the process group's collectives
+    timeout: float  # of every wait on another process: the watchdog's bound on a collective
     environment: str  # the CUDA environment settings as JSON: some apply only when a process starts
 
 
@@ -74,13 +81,14 @@ class _Channels:
     decisions: object
     interrupt: object
     stop: object
+    board: SharedBoard
 
     def queues(self) -> list:
         return [self.messages, self.decisions, *self.jobs, *self.inboxes]
 
     def of(self, rank: int) -> WorkerChannels:
         return WorkerChannels(self.messages, self.jobs[rank], self.inboxes[rank],
-                              self.decisions if rank == 0 else None, self.interrupt, self.stop)
+                              self.decisions if rank == 0 else None, self.interrupt, self.stop, self.board)
 
 
 class WorkerPool:
@@ -122,7 +130,7 @@ class WorkerPool:
         channels = _Channels(
             messages=ctx.Queue(), jobs=[ctx.Queue() for _ in range(layout.world)],
             inboxes=[ctx.Queue(maxsize=layout.inbox_size) for _ in range(layout.world)],
-            decisions=ctx.Queue(), interrupt=ctx.Event(), stop=ctx.Event())
+            decisions=ctx.Queue(), interrupt=ctx.Event(), stop=ctx.Event(), board=SharedBoard(ctx, layout.world))
         init_method = f"file://{Path(folder.name) / 'rendezvous'}"
         procs = [
             ctx.Process(target=spawned_worker_main, name=f"dl4py-worker-{rank}", daemon=True,
@@ -221,6 +229,9 @@ class WorkerPool:
                     failures[rank] = ("died", None) if procs[rank].exitcode != 0 else ("silent", None)
             if feeder is not None and feeder.error is not None:
                 raise TrainingError(f"reading batches for the workers failed: {feeder.error!r}") from feeder.error
+            late = missing(channels.board.records(), time.time(), timeout, "worker")
+            if late is not None and not failures:  # a death is its own cause: its peers wait for it too
+                raise WorkerError(late.rank, self._device(late.rank), late.reason)
             for rank in [r for r in failures if r in reports]:
                 del failures[rank]  # a report that arrived after its sender exited
             if failures:
@@ -239,8 +250,14 @@ class WorkerPool:
             detail = exit_description(self._procs[rank].exitcode, starting=rank not in self._ready)
         elif kind == "silent":
             detail = "exited without reporting its result (its report could not be sent back; see its stderr)"
+        record = self._channels.board.read(rank)
+        if kind in ("died", "silent") and record is not None:
+            detail += f", in {describe(record.phase, record.epoch, record.round)}"
+        return WorkerError(rank, self._device(rank), detail + also_stopped(rank, failures))
+
+    def _device(self, rank: int) -> str:
         devices = self.layout.devices
-        return WorkerError(rank, devices[rank % len(devices)], detail + also_stopped(rank, failures))
+        return devices[rank % len(devices)]
 
 
 def _shut_down(procs, channels: _Channels, folder, patience: float) -> None:

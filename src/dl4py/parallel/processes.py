@@ -1,5 +1,5 @@
 """The ParallelWrapper's worker processes: reading their messages, telling a lost peer from
-a cause, and stopping them all, with nothing left behind and no Ctrl-C reaching them.
+a cause, and stopping them all, with nothing left behind and no Ctrl-C ending them.
 (The pool that keeps them from one fit to the next is ``pool.py``.)"""
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ def also_stopped(rank: int, failures) -> str:
 
 def stop_all(procs, patience: float) -> None:
     """Give the workers ``patience`` seconds to exit, then kill what still runs; nothing is
-    left behind. (Workers ignore SIGTERM, which a process group's stop sends them too, so
-    killing is the only way; they hold nothing that needs saving.)"""
+    left behind. (A worker never ends on SIGTERM, which a process group's stop sends it too:
+    it only asks its fit to stop. So killing is the only way; they hold nothing that needs
+    saving.)"""
     deadline = time.monotonic() + patience
     for proc in procs:
         proc.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -67,7 +68,7 @@ def children_ignore_stop_signals():
     """Workers are born ignoring SIGINT and SIGTERM: an ignored signal stays ignored across
     exec, and Python installs its KeyboardInterrupt handler only over the default. Without
     this, a Ctrl-C while a worker still imports torch (seconds) would kill it before it can
-    ignore the signal itself. The signals are blocked here meanwhile, so one sent to this
+    install its own handler (which turns either into a request to stop its fit). The signals are blocked here meanwhile, so one sent to this
     process in that window waits for the handler rather than being lost."""
     if threading.current_thread() is not threading.main_thread():
         yield

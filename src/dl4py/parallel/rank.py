@@ -19,6 +19,7 @@ from dl4py.backend.cuda_environment import Environment
 from dl4py.nn.serialization import model_bytes
 from dl4py.parallel.averaging import broadcast, replica_state, share_gradients, stepped_parameters
 from dl4py.parallel.options import DISTRIBUTED_MODES
+from dl4py.parallel.phase import PHASE
 from dl4py.parallel.worker import WorkerSpec, build_replica, train_epoch, worker_device
 from dl4py.train.epoch import EpochSummary
 
@@ -30,19 +31,33 @@ class RankReport:
     summaries: list[EpochSummary] = field(default_factory=list)  # the epochs trained, all workers counted
     stop: tuple[str, str] | None = None  # early stopping's (condition kind, reason) when one fired
     interrupted: bool = False  # a stop was asked for (Ctrl-C, SIGTERM): all stopped after the same round
+    signalled: tuple[str, list[int]] | None = None  # with interrupted: the signal and the ranks that got it
     records: list = field(default_factory=list)  # with record_examples: feature 0 of every example trained
     state: bytes | None = None  # the trained replica as a model file, when the launcher asked for it
+
+    def stop_cause(self, noun: str = "rank") -> str | None:
+        """``SIGTERM at rank 1``: who got the signal that stopped the fit; None when no rank
+        got one itself (the launcher asked: a pool's coordinator)."""
+        if self.signalled is None:
+            return None
+        cause, ranks = self.signalled
+        if len(ranks) == 1:
+            return f"{cause} at {noun} {ranks[0]}"
+        shown = ", ".join(map(str, ranks[:4])) + (", ..." if len(ranks) > 4 else "")
+        return f"{cause} at {len(ranks)} {noun}s ({shown})"
 
 
 def run_rank(rank: int, world: int, spec: WorkerSpec, source, *, should_stop=None, listeners=(), decide=None,
              keep_state: bool = False) -> RankReport:
     """Train this rank's replica for ``spec.epochs`` epochs on ``source``'s batches, or until
-    ``should_stop()`` says so on any rank (give it on all or none).
+    ``should_stop()`` says so on any rank (give it on all or none): it answers with a false
+    value, True (the launcher asks) or the name of a signal this process got ("SIGTERM").
 
     ``listeners`` see this replica's events (rank 0's: the fit's listeners under torchrun,
     the relay to the coordinator in a pool); with ``spec.early_stopping``, rank 0's
     ``decide(replica)`` says after each epoch why all should stop, or None. With
     ``keep_state`` the report carries the trained replica (``RankReport.state``)."""
+    PHASE.start_fit()
     device = worker_device(spec, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -82,6 +97,7 @@ def run_rank(rank: int, world: int, spec: WorkerSpec, source, *, should_stop=Non
             report.summaries.append(summary)
             if report.stop is not None or not summary.completed:
                 break  # an iteration condition fired, or a stop was asked for: all stopped in the same round
+            PHASE.enter("end of epoch")  # rank 0's listeners (a checkpoint, validation) keep the others waiting
             judged = replica
             if layout is not None:
                 judged = layout.gather()  # every rank takes part; rank 0's twin holds the epoch's state
@@ -96,6 +112,7 @@ def run_rank(rank: int, world: int, spec: WorkerSpec, source, *, should_stop=Non
         if layout is not None:
             layout.gather()  # every rank, as all leave the loop together: rank 0's twin takes the final state
     finally:
+        PHASE.enter("end of fit")  # an interrupted fit's checkpoint is written now (rank 0's listeners)
         # Under torchrun the replica is the program's own model: its later fits are its own.
         replica.share_gradients(None)
         # A pool's worker 0 has the relay as listener: an interrupted fit ends in the

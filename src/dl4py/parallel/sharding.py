@@ -215,6 +215,8 @@ class ShardedReplica:
                         _joined_optimizer_state(optim_state["state"], self.split),
                         _plain_groups(optim_state["param_groups"], self.split))
         copy_counters(self.replica, self.twin)
+        if self.replica.scaler is not None:  # the loss scale goes with the state: a checkpoint carries it
+            self.twin.scaler.load_state_dict(self.replica.scaler.state_dict())
         return self.twin
 
 

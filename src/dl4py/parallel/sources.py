@@ -5,7 +5,8 @@
   worker) and slices its own batches from the epoch's shuffle order: nothing per batch
   crosses a process boundary.
 - ``QueueSource``: any other iterator. The coordinating process iterates it and deals
-  batches round-robin into one bounded queue per worker. The queues serve every fit of
+  batches round-robin into one bounded queue per worker (in tensor mode each batch to
+  every rank of a tensor group: ``GroupCopies``). The queues serve every fit of
   a worker pool, so each batch carries its fit's number: one a stopped fit dealt but
   never read is skipped by the next.
 - ``StrideSource``: any other iterator under torchrun (no coordinator): every process
@@ -30,6 +31,7 @@ from typing import Iterator
 import torch
 
 from dl4py.data import ArrayDataSetIterator, DataSet
+from dl4py.data.iterators import WrappedIterator
 from dl4py.data.prefetch import copy_to_device, wait_for_copy
 from dl4py.errors import DataError
 from dl4py.parallel.plan import RoundPlan
@@ -110,6 +112,24 @@ class StrideSource:
         for index, batch in enumerate(self.iterator):
             if index >= start and (index - start) % world == rank:
                 yield (index - start) // world, batch
+
+
+class GroupCopies(WrappedIterator):
+    """Each batch of ``iterator`` ``copies`` times in a row: dealt round-robin to the workers,
+    every rank of a tensor group (``copies`` consecutive ranks) gets its group's batches,
+    which tensor mode trains together. Its batch ``b * copies + t`` is ``iterator``'s ``b``."""
+
+    def __init__(self, iterator, copies: int):
+        super().__init__(iterator)
+        self.copies = copies
+
+    def __len__(self) -> int:
+        return len(self.iterator) * self.copies
+
+    def __iter__(self) -> Iterator[DataSet]:
+        for batch in self.iterator:
+            for _ in range(self.copies):
+                yield batch
 
 
 class QueueSource:

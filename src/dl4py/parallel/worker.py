@@ -6,11 +6,13 @@ trainer's step function on its own batches; in averaging mode the replicas are a
 every ``averaging_frequency`` rounds and at the end of each epoch, in shared-gradients
 mode gradients are averaged every step.
 
-Stopping early (Ctrl-C or SIGTERM at the coordinator): at each averaging boundary (every
-round in shared-gradients mode) the workers vote on ``should_stop``; if any says yes, all
-stop after that same round, with the replicas just averaged. Voting only where the
-workers synchronise anyway keeps the averaging mode's rare synchronisation rare, and the
-stopped state is one an uninterrupted run passes through, so a resumed run continues
+Stopping early (Ctrl-C or SIGTERM, at the coordinator or at any one rank): at each
+averaging boundary (every round in shared-gradients, sharded, tensor and hybrid modes) the
+workers vote on ``should_stop`` (one all-reduce of one number); if any says yes, all stop
+after that same round, with the replicas just averaged, and learn which ranks got a signal
+(``RankReport.signalled``). Voting only where the workers synchronise anyway keeps the
+averaging mode's rare synchronisation rare (a stop there waits for the next average), and
+the stopped state is one an uninterrupted run passes through, so a resumed run continues
 exactly. The replica's ``batch_in_epoch`` then counts the epoch's batches trained.
 
 Accumulation (``model.accumulate_batches`` = k): each worker sums the gradients of k of
@@ -39,8 +41,9 @@ import torch.distributed as dist
 from dl4py.backend import Backend
 from dl4py.backend.cuda_environment import environment
 from dl4py.errors import DataError
-from dl4py.parallel.averaging import average, mean_over_participants, replica_state
+from dl4py.parallel.averaging import agree_on_loss_scaling, average, mean_over_participants, replica_state
 from dl4py.parallel.options import STEP_MODES, ParallelOptions
+from dl4py.parallel.phase import PHASE
 from dl4py.parallel.plan import OpenRoundPlan, RoundPlan
 from dl4py.parallel.sources import Prefetcher, ShardedSource
 from dl4py.train import accumulate
@@ -112,11 +115,20 @@ def _iteration_stop(conditions, last_loss, mine: bool, device) -> str | None:
     return next((f"{r} (worker {i})" for i, r in enumerate(reasons) if r is not None), "iteration condition")
 
 
-def _stop_vote(wanted: bool, device) -> bool:
+def _stop_vote(wanted, device) -> bool:
     """True on every worker if any of them wants to stop."""
     flag = torch.tensor([1.0 if wanted else 0.0], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return flag.item() > 0
+
+
+def _signalled(wanted) -> tuple[str, list[int]] | None:
+    """After a vote to stop, on every rank: the signal and the ranks that got one themselves
+    (``wanted`` names it: "SIGTERM"), or None when only the launcher asked. Once per fit."""
+    answers = [None] * dist.get_world_size()
+    dist.all_gather_object(answers, wanted if isinstance(wanted, str) else None)
+    ranks = [rank for rank, answer in enumerate(answers) if answer is not None]
+    return (answers[ranks[0]], ranks) if ranks else None
 
 
 def train_epoch(replica, rank, world, spec, source, device, report, listeners, should_stop) -> EpochSummary:
@@ -158,8 +170,10 @@ def train_epoch(replica, rank, world, spec, source, device, report, listeners, s
                             pin=environment().pinned_memory, timeout=spec.options.timeout)
     batches_in = iter(prefetcher)
     try:
-        with epoch_rng(replica, epoch, stream=rank):  # distinct dropout masks per worker
+        with epoch_rng(replica, epoch, stream=rank) as randomness:  # distinct dropout masks per worker
             for round_index in range(plan.rounds) if plan.rounds is not None else itertools.count():
+                randomness.at(first_round + round_index)  # the round's own, however the epoch was resumed
+                PHASE.at_round(epoch, first_round + round_index)  # for the watchdog: attribute writes
                 if plan.rounds is None:  # a streamed shard: go on while any worker has a batch
                     item = next(batches_in, None)
                     in_round = _batches_in_round(item is not None, device) * world // ranks  # tensor parallel: 1
@@ -203,7 +217,8 @@ def train_epoch(replica, rank, world, spec, source, device, report, listeners, s
                     # the epoch's end or a stop cut short is applied.
                     accumulate.finish(replica)
                 last_round = plan.averages_after(round_index, rounds_per_average)
-                halt = should_stop is not None and last_round and _stop_vote(should_stop(), device)
+                wanted = should_stop() if should_stop is not None and last_round else None
+                halt = should_stop is not None and last_round and _stop_vote(wanted, device)
                 if spec.options.training_mode == "averaging" and (last_round or stop is not None):
                     _average(replica, spec, rank, first_round + round_index, replica.iteration_count + trained,
                              last_loss, trained_since_average, device)
@@ -215,6 +230,7 @@ def train_epoch(replica, rank, world, spec, source, device, report, listeners, s
                     break
                 if halt:
                     report.interrupted = True
+                    report.signalled = _signalled(wanted)
                     break
             else:
                 averaged = True  # a fixed plan's last round averages
@@ -234,8 +250,10 @@ def train_epoch(replica, rank, world, spec, source, device, report, listeners, s
     all_examples, all_batches, all_loss = int(totals[0]), int(totals[1]), float(totals[2])
     if all_batches == 0 and start == 0 and report.stop is None:  # as the single-device loop says
         raise DataError(f"the data gave no batches in epoch {epoch} (worker {rank} of {world})")
-    if spec.options.training_mode in STEP_MODES:
-        replica.set_score(all_loss / max(all_batches, 1))
+    if spec.options.training_mode in STEP_MODES and all_batches:  # all_batches: the same on every rank
+        # The workers' last losses, as averaging mode's score and one process's last loss: not
+        # the epoch's mean, which a resumed epoch would take over its second part alone.
+        replica.set_score(mean_over_participants(last_loss, last_loss is not None, device))
     if plan.rounds is None:
         completed = report.stop is None and not report.interrupted
     else:  # an interrupt in the last round still completes the epoch
@@ -271,6 +289,7 @@ def _average(replica, spec, rank, round_index, iteration, last_loss, took_part, 
     count of batches after it, as the listeners see it."""
     started = time.perf_counter()
     count = average(replica_state(replica, spec.options.averages_updater_state), took_part)
+    agree_on_loss_scaling(replica, device)  # one scaler state again, as one model: what a checkpoint keeps
     if replica.master is not None:
         replica.master.master_to_module()
     score = mean_over_participants(last_loss, took_part, device)

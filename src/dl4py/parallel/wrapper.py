@@ -20,11 +20,13 @@ end ``model`` takes worker 0's averaged state first. A listener that must read t
 replica mid-epoch (``StatsListener``) gives worker 0 a part to run there, whose records
 are relayed. Under torchrun, rank 0 runs them.
 
-Ctrl-C or SIGTERM while spawned workers train: the workers stop together after the next
-averaging round, worker 0's replica comes back, and the listeners' ``on_fit_end(model,
-interrupted=True)`` runs here (a CheckpointListener keeps a checkpoint that ``fit``
-continues from mid-epoch); then ``TrainingInterrupted``. A second signal stops at once.
-Spawned workers die with this process, even when it is killed outright.
+Ctrl-C or SIGTERM while spawned workers train, at this process or at any one worker: the
+workers stop together after the next averaging round, worker 0's replica comes back, and
+the listeners' ``on_fit_end(model, interrupted=True)`` runs here (a CheckpointListener
+keeps a checkpoint that ``fit`` continues from mid-epoch); then ``TrainingInterrupted``,
+naming the worker when the signal went to one. A second signal here stops at once.
+Under torchrun the same, with rank 0's listeners. Spawned workers die with this process,
+even when it is killed outright.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from pathlib import Path
 import torch
 
 from dl4py.backend.cuda_environment import environment
-from dl4py.errors import ConfigError
+from dl4py.errors import ConfigError, DataError
 from dl4py.nn.model import Model, as_iterator
 from dl4py.nn.serialization import restore_state
 from dl4py.parallel.dl4j_options import note_dl4j_options
@@ -49,12 +51,13 @@ from dl4py.parallel.options import ParallelOptions, check_mode_fits_model
 from dl4py.parallel.pool import PoolLayout, WorkerPool
 from dl4py.parallel.preflight import check_picklable, check_world, own_source, private_copy, process_group_backend
 from dl4py.parallel.rank import RankReport
-from dl4py.parallel.sources import batches_per_epoch, is_shardable
+from dl4py.parallel.sources import GroupCopies, batches_per_epoch, is_shardable
 from dl4py.parallel.worker import WorkerSpec
 from dl4py.train.history import History
 from dl4py.train.interrupt import DeferredInterrupt
 from dl4py.train.loop import EpochSummary, TrainingInterrupted
 from dl4py.train.progress import batches_of, console_listeners
+from dl4py.train.randomness import SeededReading
 from dl4py.train.validation import EpochValidation
 
 __all__ = ["ParallelWrapper", "launched_by_torchrun"]
@@ -172,6 +175,8 @@ class ParallelWrapper:
         # Anything Model.fit accepts (a DataLoader, a DataFrame, arrays, ...), as an iterator.
         iterator = as_iterator(iterator, None, seed=getattr(self.model, "seed", 0), training=True)
         self.model.check_data(iterator)  # every label of in-memory data, before any worker starts
+        if self.model.batch_in_epoch:
+            self._check_resumable(iterator)
         self._controller = controller
         if controller is not None:
             controller.start(self.model.epoch_count)
@@ -182,6 +187,19 @@ class ParallelWrapper:
         self.last_records = {rank: report.records for rank, report in reports.items()}
         self.last_report = reports[min(reports)]  # worker 0's; under torchrun, this rank's
         return self.last_report.summaries
+
+    def _check_resumable(self, iterator) -> None:
+        """A DataError, before any worker starts, when the rest of the model's stopped epoch
+        cannot be trained as the uninterrupted run would have."""
+        model = self.model
+        where = f"cannot continue epoch {model.epoch_count} after batch {model.batch_in_epoch}"
+        refusal = iterator.replay_refusal()
+        if refusal is not None:
+            raise DataError(f"{where}: {refusal}")
+        if self.options.training_mode == "averaging" and not self.options.averages_updater_state:
+            raise DataError(f"{where}: with average_updaters=False each worker keeps its own updater state, and "
+                            "the model holds worker 0's alone, so every worker would go on with worker 0's; "
+                            "resume from an epoch's end, or train with average_updaters on")
 
     # ---- shared set-up -----------------------------------------------------------------
     def _resolve_devices(self) -> list[str]:
@@ -244,7 +262,8 @@ class ParallelWrapper:
             try:
                 self._pool.ensure(layout, spec.log_level)
                 replay.decisions = self._pool.decisions if self._controller is not None else None  # read by worker 0
-                reports = self._pool.run(spec, iterator, self.model.epoch_count, self.model.batch_in_epoch,
+                dealt, copies = self._dealt(iterator, world) if spec.source is None else (iterator, 1)
+                reports = self._pool.run(spec, dealt, self.model.epoch_count, self.model.batch_in_epoch * copies,
                                          replay, interrupt)
                 failed = False
             except KeyboardInterrupt:  # a second Ctrl-C / SIGTERM
@@ -257,18 +276,30 @@ class ParallelWrapper:
             restore_state(self.model, reports[0].state)
             reports[0].state = None  # it is in the model now
             if reports[0].interrupted:  # a signal after the workers' last vote: the fit completed
-                self._end_interrupted(replay, interrupt.cause or "Ctrl-C")
+                # A signal here (a terminal's Ctrl-C reaches the workers too) is the one to name.
+                self._end_interrupted(replay, interrupt.cause or reports[0].stop_cause("worker") or "Ctrl-C")
             replay.fit_end(False)
         return reports
+
+    def _dealt(self, iterator, world: int):
+        """What this process deals to the workers, and how many times each batch: read as
+        Model.fit reads it, each batch with the generators seeded for its position (the same
+        order, resumed or not), and in tensor mode once for every rank of a tensor group."""
+        shape = self.options.mesh_shape(world)  # (world,): one tensor group; (groups, tensor ranks)
+        copies = (world if len(shape) == 1 else shape[1]) if self.options.training_mode == "tensor" else 1
+        return GroupCopies(SeededReading(iterator, getattr(self.model, "seed", 0)), copies), copies
 
     def _end_interrupted(self, replay: EventReplay, cause: str) -> None:
         """The model holds worker 0's state from the round the workers stopped after; the
         listeners' interrupted end (a CheckpointListener's save) runs in this process, the
         one that owns the run directory."""
         replay.fit_end(True)
+        raise self._interrupted(cause, "worker")
+
+    def _interrupted(self, cause: str, noun: str) -> TrainingInterrupted:
         model = self.model
-        raise TrainingInterrupted(
-            f"parallel training stopped by {cause}; every worker was stopped after a whole round, "
+        return TrainingInterrupted(
+            f"parallel training stopped by {cause}; every {noun} was stopped after a whole round, "
             f"at iteration {model.iteration_count} (epoch {model.epoch_count}, batch {model.batch_in_epoch}); "
             "the model is consistent"
         )
@@ -284,6 +315,8 @@ class ParallelWrapper:
         # This node's workers share its cores; other nodes have their own.
         spec = self._spec(iterator, epochs, node_devices, local_world, record)
         report = run_launched_rank(self.model, spec, iterator, node_devices, listeners, self._controller)
+        if report.interrupted:  # rank 0's listeners have kept the checkpoint; every rank says why it stopped
+            raise self._interrupted(report.stop_cause("rank") or "a stop request", "rank")
         return {int(os.environ["RANK"]): report}
 
 

@@ -2,9 +2,8 @@
 
 - ``EpochTally``: the per-step work and counting of an epoch (first-batch checks, the step,
   the loss summed on the device, batches, examples, time) and its summary;
-- ``EpochRandomness``: the random stream in-step randomness (dropout) draws from in an
-  epoch, seeded from (seed, epoch, stream) so that a run resumed at an epoch boundary draws
-  the same masks, and carried in checkpoints so that a run resumed mid-epoch does too;
+- ``epoch_rng``: the epoch's randomness, seeded for each batch from (seed, epoch, batch,
+  stream), so that a run resumed anywhere draws what the uninterrupted one did (``randomness.py``);
 - ``check_finite`` and ``finish_epoch``: the NaN verdict and the counters of a completed epoch.
 
 The loops around them differ only in where batches come from and when replicas meet.
@@ -19,6 +18,9 @@ import torch
 
 from dl4py.errors import TrainingError
 from dl4py.train.history import current_learning_rate
+from dl4py.train.randomness import epoch_rng
+
+__all__ = ["EpochSummary", "EpochTally", "check_finite", "epoch_rng", "finish_epoch"]  # the loops' epoch parts
 
 
 @dataclass
@@ -97,61 +99,3 @@ def check_finite(model, loss_sum: torch.Tensor, epoch: int) -> None:
             f"the loss became NaN or infinite in epoch {epoch} (by iteration {model.iteration_count}) "
             f"with precision '{model.precision}'; {remedy}"
         )
-
-
-class EpochRandomness:
-    """The random stream of ``model``'s epoch ``epoch`` (``stream``: a parallel worker's rank,
-    so each draws its own dropout masks), without touching the caller's global RNG.
-
-    At an epoch's start the generators are seeded from (seed, epoch, stream). A model that
-    stopped part-way through the epoch carries its generators' state from that moment
-    (``Model.randomness_state``, saved in its checkpoint); resumed there, the epoch goes on
-    from that state, so the masks are those an uninterrupted run would have drawn."""
-
-    def __init__(self, model, epoch: int, stream: int = 0):
-        self.model, self.epoch, self.stream = model, epoch, stream
-        device = model.backend.device
-        self.cuda = device if device.type == "cuda" else None
-        self._fork = None
-
-    def __enter__(self) -> "EpochRandomness":
-        devices = [self.cuda.index or 0] if self.cuda is not None else []
-        self._fork = torch.random.fork_rng(devices=devices)
-        self._fork.__enter__()
-        value = getattr(self.model, "seed", 0) * 1_000_003 + self.epoch * 10_007 + self.stream
-        # Only the generators fork_rng restores: torch.manual_seed would reseed every GPU.
-        torch.random.default_generator.manual_seed(value)
-        if self.cuda is not None:
-            with torch.cuda.device(self.cuda):
-                torch.cuda.manual_seed(value)
-        saved = self.model.randomness_state()  # None at an epoch boundary
-        if saved is not None and tuple(saved["position"]) == (self.epoch, self.model.batch_in_epoch, self.stream):
-            self._set(saved)  # resumed where the state was taken: go on drawing from it
-        self.model.set_randomness_state(None)
-        self.model.epoch_randomness = self
-        return self
-
-    def __exit__(self, *exc) -> None:
-        model = self.model
-        model.epoch_randomness = None
-        unfinished = model.epoch_count == self.epoch and model.batch_in_epoch > 0
-        model.set_randomness_state(self.snapshot() if unfinished else None)
-        self._fork.__exit__(*exc)
-
-    def snapshot(self) -> dict:
-        """The generators' state now, at the model's position in the epoch."""
-        state = {"position": (self.epoch, self.model.batch_in_epoch, self.stream),
-                 "cpu": torch.random.default_generator.get_state()}
-        if self.cuda is not None:
-            state["cuda"] = torch.cuda.get_rng_state(self.cuda)
-        return state
-
-    def _set(self, saved: dict) -> None:
-        torch.random.default_generator.set_state(saved["cpu"])
-        if self.cuda is not None and saved.get("cuda") is not None:
-            torch.cuda.set_rng_state(saved["cuda"], self.cuda)
-
-
-def epoch_rng(model, epoch: int, stream: int = 0) -> EpochRandomness:
-    """The context that seeds (or resumes) the epoch's in-step randomness: ``EpochRandomness``."""
-    return EpochRandomness(model, epoch, stream)

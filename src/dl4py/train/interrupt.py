@@ -4,7 +4,8 @@ A KeyboardInterrupt raised in the middle of ``optimizer.step()`` could leave som
 parameters updated and others not; deferring it to a step boundary avoids that.
 SIGTERM (``kill``, a batch scheduler, a sweep that died) is handled the same way: by
 default it would end the process at once, losing the partial epoch and orphaning any
-worker processes. A second signal of either kind interrupts at once.
+worker processes. A second signal of either kind interrupts at once, except in a parallel
+rank (``escalate=False``), which only ever asks: whoever launched it ends it if need be.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ HANDLED = (signal.SIGINT, signal.SIGTERM)
 class DeferredInterrupt:
     """``with DeferredInterrupt() as interrupt: ... if interrupt.requested: stop``.
 
-    ``cause`` names what asked ("Ctrl-C" or "SIGTERM"), for the message that says so."""
+    ``cause`` names what asked ("Ctrl-C" or "SIGTERM"), for the message that says so. With
+    ``escalate=False`` a second signal asks again rather than raising KeyboardInterrupt."""
 
-    def __init__(self):
+    def __init__(self, escalate: bool = True):
         self.requested = False
         self.cause: str | None = None
+        self.escalate = escalate
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> "DeferredInterrupt":
@@ -35,10 +38,15 @@ class DeferredInterrupt:
         return self
 
     def _handle(self, signum, frame):
-        if self.requested:
+        if self.requested and self.escalate:
             raise KeyboardInterrupt
         self.requested = True
         self.cause = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+
+    def clear(self) -> None:
+        """Forget a request (a pool's worker, as each fit begins: one sent between fits is
+        the coordinator's to act on)."""
+        self.requested, self.cause = False, None
 
     def __exit__(self, *exc):
         for sig, previous in self._previous.items():

@@ -88,15 +88,13 @@ def _run_epoch(model, iterator, listeners, interrupt) -> EpochSummary | None:
     skip = model.batch_in_epoch
     for listener in listeners:
         listener.on_epoch_start(model, epoch)
-    length = batches_of(iterator) if skip else None
-    if length is not None and skip > length:
-        raise DataError(f"the model stopped after batch {skip} of epoch {epoch}, but this data has only {length} "
-                        "batches per epoch: resume with the data (and batch size) it was trained on")
+    if skip:
+        _check_resumable(iterator, epoch, skip)
     tally = EpochTally(model, epoch)
-    with epoch_rng(model, epoch):
-        for index, batch in enumerate(iterator):
+    with epoch_rng(model, epoch, data=iterator) as randomness:
+        for index, batch in randomness.batches(iterator):
             if index < skip:
-                continue  # resumed mid-epoch: these batches were trained before the stop
+                continue  # resumed mid-epoch: read again (as they were), trained before the stop
             features, labels = model.prepare_batch(batch)
             loss = tally.train(features, labels, f"epoch {epoch}, batch {index}")
             model.iteration_count += 1
@@ -120,6 +118,18 @@ def _run_epoch(model, iterator, listeners, interrupt) -> EpochSummary | None:
         return None  # asked for during that window; a resumed run finds no batches left and ends the epoch
     finish_epoch(model, tally.loss_sum, epoch)
     return tally.summary()  # no batches: stopped after its last one, its mean loss NaN
+
+
+def _check_resumable(iterator, epoch: int, skip: int) -> None:
+    """A DataError, before any batch is read, when the rest of a stopped epoch cannot be the
+    batches the uninterrupted epoch would have trained."""
+    length = batches_of(iterator)
+    if length is not None and skip > length:
+        raise DataError(f"the model stopped after batch {skip} of epoch {epoch}, but this data has only {length} "
+                        "batches per epoch: resume with the data (and batch size) it was trained on")
+    refusal = iterator.replay_refusal()
+    if refusal is not None:
+        raise DataError(f"cannot continue epoch {epoch} after batch {skip}: {refusal}")
 
 
 def data_source(model, iterator):
