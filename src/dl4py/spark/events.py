@@ -1,12 +1,13 @@
-"""The driver's line to its ranks: rank 0's training events, and any rank's failure.
+"""The driver's line to its ranks: rank 0's training events, and how each rank ends.
 
-A Spark task hands the driver nothing but its result, and only when it ends. So rank 0
+A Spark task hands the driver nothing but its result, and only when it ends. So each rank
 connects back to the driver (at ``spark.driver.host``, which every executor reaches
-already) and sends what ``EventRelay`` sends a spawned ParallelWrapper's coordinator:
+already). Rank 0 sends what ``EventRelay`` sends a spawned ParallelWrapper's coordinator:
 the driver runs the fit's listeners on them as training goes (``EventReplay``), so the
-run directory is written where the driver runs, never on an executor. A rank that fails
-sends its ``Failed`` report the same way, so the driver can name that rank and its error
-instead of Spark's "task failed", and stop the job at once.
+run directory is written where the driver runs, never on an executor. Every rank says
+where it runs and how it ended (``reports.py``), so the driver can name the rank that
+failed or died, and how, instead of Spark's "task failed", and stop the job at once. A
+rank's connection that ends without its last word is itself news: ``RankLost``.
 
 Connections are authenticated with a key only this job's ranks hold
 (``multiprocessing.connection``'s HMAC challenge) before any message is unpickled.
@@ -18,8 +19,10 @@ import queue
 import secrets
 import threading
 import time
-from multiprocessing.connection import Client, Listener
 from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Listener
+
+from dl4py.spark.reports import RankFailed, RankFinished, RankLost, RankStarted
 
 
 class EventServer:
@@ -55,12 +58,21 @@ class EventServer:
             reader.start()
 
     def _read(self, conn) -> None:
+        started = last_word = None
         with conn:
             while True:
                 try:
-                    self.messages.put(conn.recv())
+                    message = conn.recv()
                 except (EOFError, OSError):  # the rank closed its end, or its process ended
-                    return
+                    break
+                if isinstance(message, RankStarted):
+                    started = message.processes
+                elif isinstance(message, (RankFinished, RankFailed)):
+                    last_word = message
+                self.messages.put(message)
+        if started is not None and last_word is None:
+            # Looked at now, before anyone stops the job: what ended first is still gone alone.
+            self.messages.put(RankLost(started, started.gone()))
 
     def close(self, timeout: float) -> None:
         """Stop accepting; wait up to ``timeout`` s for the open connections to end (they do
@@ -84,9 +96,11 @@ class DriverLine:
 
     def __init__(self, address: tuple[str, int], key: bytes):
         self._conn = Client(tuple(address), authkey=key)
+        self._sending = threading.Lock()  # one message at a time, whichever thread sends
 
     def put(self, message) -> None:
-        self._conn.send(message)
+        with self._sending:
+            self._conn.send(message)
 
     def close(self) -> None:
         self._conn.close()

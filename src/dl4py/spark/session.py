@@ -1,9 +1,10 @@
 """The SparkSession a fit runs on, and what a master URL says about the task slots.
 
 ``spark_session(master)`` gives the session this process already has, or starts one on
-``master`` and stops it afterwards. On a local master (``local[N]``, ``local-cluster[...]``)
-everything runs on this machine, so the executors use this Python and the loopback
-address; on a cluster, the cluster's own settings (spark-submit, spark-defaults) decide.
+``master`` and stops it afterwards (unless its JVM died: ``jvm_exit`` says so). On a local
+master (``local[N]``, ``local-cluster[...]``) everything runs on this machine, so the
+executors use this Python and the loopback address; on a cluster, the cluster's own
+settings (spark-submit, spark-defaults) decide.
 """
 
 from __future__ import annotations
@@ -74,4 +75,16 @@ def spark_session(master: str | None = None, *, workers: int = 2, app_name: str 
     try:
         yield session
     finally:
-        session.stop()
+        if jvm_exit(session) is None:
+            session.stop()
+        # else: stopping would only fail too (py4j cannot reach a dead JVM); the fit has said why
+
+
+def jvm_exit(spark) -> tuple[int, int] | None:
+    """``(pid, exitcode)`` of the session's JVM once it has ended (-N: killed by signal N);
+    None while it runs, or when this process did not start it (spark-submit started this
+    one from the JVM: then only py4j's errors tell)."""
+    process = getattr(spark.sparkContext._gateway, "proc", None)  # pyspark keeps the JVM's Popen there
+    if process is None or process.poll() is None:
+        return None
+    return process.pid, process.returncode

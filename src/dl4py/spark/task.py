@@ -3,18 +3,26 @@
 TorchDistributor starts one ``torchrun`` per task, so ``RANK``, ``WORLD_SIZE`` and
 ``LOCAL_RANK`` are set and ``ParallelWrapper.fit`` runs as it does under torchrun: the
 same rank program for every launcher. ``TaskJob`` is all a rank receives (by pickle):
-the model as the bytes of its saved file, the data, and the wrapper's options.
+the model as the bytes of its saved file, the data, and the wrapper's options. The
+process torchrun starts forks the rank and watches it (``supervisor.py``); every rank
+tells the driver where it runs and how it ended (``reports.py``).
 """
 
 from __future__ import annotations
 
 import io
 import os
-import socket
 import traceback
 from dataclasses import dataclass
+from multiprocessing import AuthenticationError
 
 from dl4py.errors import DL4PyError
+from dl4py.parallel.processes import is_lost_peer
+from dl4py.spark.events import DriverLine, send_once
+from dl4py.spark.reports import (ERROR, LOST_PEER, STOPPED, TASK_GONE, USER_ERROR, RankExited, RankFailed,
+                                 RankFinished, RankStarted, TaskProcesses, ended_above)
+from dl4py.spark.supervisor import await_cancellation, supervise
+from dl4py.train.loop import TrainingInterrupted
 
 
 @dataclass
@@ -39,40 +47,71 @@ class TaskJob:
 
 def train_task(job: TaskJob):
     """One rank's training. Rank 0 returns the trained model file's bytes and its epochs'
-    summaries; a failing rank reports its error to the driver first."""
-    from dl4py.parallel import ParallelWrapper
-    from dl4py.parallel.events import EventRelay
-    from dl4py.process_guard import die_with_parent
-    from dl4py.spark.events import DriverLine
-
-    die_with_parent(os.getppid())  # torchrun's agent: a cancelled task leaves no rank training
+    summaries. A rank that fails tells the driver, which names the cause in one line and
+    cancels the job; until the cancel ends it, the rank waits, quiet: its traceback goes no
+    further than the driver's debug log."""
+    rank = int(os.environ["RANK"])
+    device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if job.use_gpu else "cpu"
+    processes = TaskProcesses.above(rank, device)
+    exits = _line(job)  # opened before the fork: the parent's, held until the rank has ended
+    if supervise(lambda pid, code: _tell(exits, RankExited(rank, pid, code), last=True)):
+        processes = processes.of_rank(os.getpid())
+    if exits is not None:
+        exits.close()  # this process's copy: the parent holds its own
     # Each task runs one torchrun, so a rank cannot count its neighbours on the executor: the
     # cores Spark gave the task are its share (read by the wrapper's thread count).
     os.environ["OMP_NUM_THREADS"] = str(job.cpus)
-    rank = int(os.environ["RANK"])
     line = None
     try:
-        model = _replica(job)
-        listeners = []
-        if rank == 0 and job.relay:
-            line = DriverLine(job.address, job.key)
-            relay = EventRelay(line, None, job.relay_iterations, job.options["timeout"], parts=job.listener_parts)
-            listeners.extend([*relay.parts, relay])
-        # verbose=0: the driver shows progress, from the relayed events; a task prints none.
-        history = ParallelWrapper(model, **job.options).fit(job.data, epochs=job.epochs, listeners=listeners,
-                                                            validation=job.validation, metrics=job.metrics,
-                                                            verbose=0, accumulate_batches=job.accumulate_batches)
-    except BaseException as exc:
-        _report(job, rank, exc)
+        line = DriverLine(job.address, job.key) if rank == 0 and job.relay else _line(job)
+        if line is not None:
+            line.put(RankStarted(processes))
+        result = _train(job, rank, line)
+    except Exception as exc:
+        if _report(job, processes, exc, line):
+            if line is not None:
+                line.close()  # said: the driver need not wait for this connection to end
+            await_cancellation()  # the driver names the cause; Spark's cancel ends this process
         raise
+    except BaseException as exc:  # KeyboardInterrupt, SystemExit: reported, and left as they are
+        _report(job, processes, exc, line)
+        raise
+    else:
+        if line is not None:
+            line.put(RankFinished(rank))
+        return result
     finally:
         if line is not None:
             line.close()
+
+
+def _train(job: TaskJob, rank: int, line):
+    from dl4py.parallel import ParallelWrapper
+    from dl4py.parallel.events import EventRelay
+
+    model = _replica(job)
+    listeners = []
+    if rank == 0 and job.relay:
+        relay = EventRelay(line, None, job.relay_iterations, job.options["timeout"], parts=job.listener_parts)
+        listeners.extend([*relay.parts, relay])
+    # verbose=0: the driver shows progress, from the relayed events; a task prints none.
+    history = ParallelWrapper(model, **job.options).fit(job.data, epochs=job.epochs, listeners=listeners,
+                                                        validation=job.validation, metrics=job.metrics,
+                                                        verbose=0, accumulate_batches=job.accumulate_batches)
     if rank != 0:
         return None
     from dl4py.nn.serialization import model_bytes
 
     return {"model": model_bytes(model), "summaries": list(history)}
+
+
+def _line(job: TaskJob):
+    """A connection to the driver, or None when it cannot be reached: then this rank trains
+    unwatched (rank 0 relaying events needs one, and fails without)."""
+    try:
+        return DriverLine(job.address, job.key)
+    except (OSError, EOFError, AuthenticationError):
+        return None
 
 
 def _replica(job: TaskJob):
@@ -90,13 +129,36 @@ def _replica(job: TaskJob):
     return model
 
 
-def _report(job: TaskJob, rank: int, exc: BaseException) -> None:
-    from dl4py.parallel.messages import Failed
-    from dl4py.spark.events import send_once
+def _tell(line, message, last: bool = False) -> bool:
+    """Send ``message`` on ``line`` (then close it, when it is the ``last``); False when it
+    could not be sent."""
+    if line is None:
+        return False
+    try:
+        line.put(message)
+        return True
+    except (OSError, EOFError):
+        return False
+    finally:
+        if last:
+            line.close()
 
+
+def _report(job: TaskJob, processes: TaskProcesses, exc: BaseException, line) -> bool:
+    """Tell the driver why this rank failed; False when it could not be told."""
     # A problem with the user's data or settings is its sentence; anything else keeps its
     # traceback (DL4PY_DEBUG=1: every traceback), as a spawned worker reports.
-    user_error = isinstance(exc, DL4PyError) and os.environ.get("DL4PY_DEBUG", "") in ("", "0")
-    device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if job.use_gpu else "cpu"
+    debug = os.environ.get("DL4PY_DEBUG", "") not in ("", "0")
+    user_error = isinstance(exc, DL4PyError) and not debug
     detail = str(exc) if user_error else traceback.format_exc()
-    send_once(job.address, job.key, Failed(rank, f"{device} on {socket.gethostname()}", detail, user_error))
+    above = ended_above(processes.gone())
+    if above is not None:  # the rank was stopped because its Spark task ended under it
+        kind, detail = TASK_GONE, above
+    elif isinstance(exc, TrainingInterrupted):
+        kind = STOPPED
+    elif is_lost_peer(traceback.format_exc()):
+        kind = LOST_PEER
+    else:
+        kind = USER_ERROR if user_error else ERROR
+    report = RankFailed(processes.rank, processes.device, detail, kind)
+    return _tell(line, report) or send_once(job.address, job.key, report)

@@ -8,7 +8,8 @@ TorchDistributor (a barrier stage: all run at once), and waits. Each task runs
 ``task.train_task``: the ParallelWrapper as a launched process's worker, on the model's
 saved bytes. Rank 0 streams its events here, where the fit's listeners run
 (``events.py``), and returns the trained model file, which ``model`` then takes. A rank
-that fails stops the job; ``fit`` raises ``WorkerError`` naming it, with its error.
+that fails or dies stops the job; ``fit`` raises one ``WorkerError`` naming it and how
+(``verdict.py``), or a ``TrainingError`` naming the Spark JVM when that died.
 """
 
 from __future__ import annotations
@@ -20,17 +21,18 @@ import threading
 import time
 import uuid
 
-from dl4py.errors import ConfigError, TrainingError, WorkerError
+from dl4py.errors import ConfigError, TrainingError
 from dl4py.nn.model import Model
 from dl4py.nn.serialization import model_bytes, restore_state
 from dl4py.parallel.events import EventReplay
-from dl4py.parallel.messages import Failed
 from dl4py.parallel.preflight import check_batches_for_world
-from dl4py.parallel.processes import also_stopped, is_lost_peer
+from dl4py.parallel.processes import exit_description
 from dl4py.spark.data import rank_source
 from dl4py.spark.events import EventServer
+from dl4py.spark.logs import quiet_failure_logs, spark_reason
 from dl4py.spark.task import TaskJob, train_task
-from dl4py.spark.session import check_slots
+from dl4py.spark.session import check_slots, jvm_exit
+from dl4py.spark.verdict import RankOutcomes
 from dl4py.train.history import History
 from dl4py.train.loop import TrainingInterrupted
 from dl4py.train.progress import batches_of, console_listeners
@@ -108,7 +110,8 @@ class SparkTrainer:
             failed = True
             try:
                 replay.fit_start()
-                result = self._run(spark, job, server, replay)
+                with quiet_failure_logs(spark):  # the fit names what failed, in one line
+                    result = self._run(spark, job, server, replay)
                 failed = False
             finally:
                 server.close(timeout=0)  # closed already, unless the fit failed here
@@ -131,17 +134,16 @@ class SparkTrainer:
         return active
 
     def _run(self, spark, job: TaskJob, server: EventServer, replay: EventReplay) -> dict:
-        """Run the Spark job, replaying rank 0's events meanwhile; the first rank to fail
-        stops it, and its report is what is raised."""
+        """Run the Spark job, replaying rank 0's events meanwhile; the first rank to fail or
+        die stops it, and what ended it is what is raised (``verdict.py``)."""
         from pyspark.ml.torch.distributor import TorchDistributor
 
         try:
             distributor = TorchDistributor(num_processes=self.workers, local_mode=False, use_gpu=self.use_gpu)
         except RuntimeError as exc:  # e.g. use_gpu without the cluster's GPU settings
             raise ConfigError("use_gpu" if self.use_gpu else "spark", str(exc)) from None
-        sc = spark.sparkContext
-        runner = _Job(sc, distributor, job)
-        failures: dict[int, Failed] = {}
+        runner = _Job(spark.sparkContext, distributor, job)
+        outcomes = RankOutcomes()
         settle_until = None
         try:
             runner.start()
@@ -150,11 +152,10 @@ class SparkTrainer:
                     message = server.messages.get(timeout=POLL_SECONDS)
                 except queue.Empty:
                     message = None
-                if isinstance(message, Failed):
-                    failures[message.rank] = message
-                    if not _lost_peer(message):
+                if outcomes.take(message):
+                    if outcomes.cause_known():
                         runner.cancel()  # the cause is known: stop the others now
-                    elif settle_until is None:
+                    elif outcomes.ends and settle_until is None:  # an echo: wait a moment for its cause
                         settle_until = time.monotonic() + SETTLE_SECONDS
                 elif message is not None:
                     replay.handle(message)
@@ -173,15 +174,23 @@ class SparkTrainer:
         server.close(timeout=min(self.timeout, 30.0))  # the reports sent before the ranks ended
         while not server.messages.empty():
             message = server.messages.get()
-            if isinstance(message, Failed):
-                failures[message.rank] = message
-            elif not failures and runner.error is None:
+            if not outcomes.take(message) and not outcomes.ends and runner.error is None:
                 replay.handle(message)
-        if failures:
-            raise _root_cause(failures) from runner.error
+        jvm_end = jvm_exit(spark)
+        if jvm_end is not None:
+            pid, exitcode = jvm_end
+            how = exit_description(exitcode).removeprefix("was ") if exitcode < 0 else f"exit code {exitcode}"
+            raise TrainingError(f"the Spark JVM (pid {pid}) died during training ({how}), which ended every rank; "
+                                f"the model keeps its state from before this fit") from None
+        cause = outcomes.error()
+        if cause is not None:
+            if runner.error is not None:
+                log.debug("the Spark job ended with: %s", runner.error)
+            raise cause from None
         if runner.error is not None:
+            log.debug("the Spark job ended with: %s", runner.error)
             raise TrainingError(f"the Spark job failed before any rank reported an error (look at the executors' "
-                                f"logs): {_first_lines(runner.error)}") from runner.error
+                                f"logs): {spark_reason(runner.error)}") from None
         if not isinstance(runner.result, dict):
             raise TrainingError(f"rank 0 returned {type(runner.result).__name__}, not the trained model")
         return runner.result
@@ -208,21 +217,10 @@ class _Job(threading.Thread):
     def cancel(self) -> None:
         if not self._cancelled:
             self._cancelled = True
-            self.sc.cancelJobGroup(self.group)
-
-
-def _lost_peer(failed: Failed) -> bool:
-    return not failed.user_error and is_lost_peer(failed.traceback)
-
-
-def _root_cause(failures: dict[int, Failed]) -> WorkerError:
-    """The first rank with an error of its own; a rank that only lost its peers comes last."""
-    rank = min(failures, key=lambda r: (_lost_peer(failures[r]), r))
-    failed = failures[rank]
-    detail = failed.traceback if failed.user_error else f"raised an exception:\n{failed.traceback}"
-    if _lost_peer(failed):
-        detail += "\n(a peer went away without a report of its own: look at the executors' logs)"
-    return WorkerError(rank, failed.device, detail + also_stopped(rank, failures))
+            try:
+                self.sc.cancelJobGroup(self.group)
+            except Exception as exc:  # the JVM is gone, and the job with it: said after the job's end
+                log.debug("could not cancel the Spark job: %r", exc)
 
 
 def _task_cpus(spark) -> int:
@@ -232,11 +230,6 @@ def _task_cpus(spark) -> int:
     except ValueError:
         raise ConfigError("spark.task.cpus", f"must be a positive integer, got "
                                              f"{spark.conf.get('spark.task.cpus')!r}") from None
-
-
-def _first_lines(exc: BaseException, lines: int = 3) -> str:
-    text = str(exc).strip().splitlines()
-    return " ".join(line.strip() for line in text[:lines]) or type(exc).__name__
 
 
 def _torch_model(model):
