@@ -29,15 +29,18 @@ setup:
 demo: setup
 	$(PYTHON) -m dl4py train examples/lenet_mnist.yaml
 
+# The long soak tests (pytest -m soak) run with make soak.
 test: setup
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -m "not soak"
 
 bench: setup
 	$(PYTHON) -m dl4py bench all
 
-# Memory that must stay flat: 20 fits, 10 epochs, 10 sweeps, 5 minutes of serving (about 10 min).
+# Memory that must stay flat (20 fits, 10 epochs, 10 sweeps, 5 minutes of serving), then the
+# long versions of the hostile-input, resume and failure tests (about 20 min in all).
 soak: setup
 	$(PYTHON) benchmarks/soak.py --out $(OUT)
+	$(PYTHON) -m pytest -q -m soak
 
 # No `setup` first: a GPU machine has its own PyTorch build and often no network.
 gpu-check:

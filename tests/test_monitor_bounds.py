@@ -339,7 +339,7 @@ print(json.dumps({"ui": ui, "report": mib("VmHWM") - start}), flush=True)
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads the peak RSS from /proc (Linux)")
 @pytest.mark.parametrize("long_line, records", [
     (64 << 20, 150_000),
-    pytest.param(150 << 20, 2_000_000, marks=pytest.mark.slow),  # issue 28's sizes: a 150 MB line, 200 MB in all
+    pytest.param(150 << 20, 2_000_000, marks=pytest.mark.soak),  # issue 28's sizes: a 150 MB line, 200 MB in all
 ])
 def test_report_and_ui_memory_and_answers_stay_bounded(tmp_path, long_line, records):
     run = tmp_path / "run"

@@ -279,7 +279,7 @@ def test_a_torchrun_rank_that_stops_answering_is_named_by_every_rank_within_the_
     assert left == []
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 @pytest.mark.timeout(240)
 def test_a_torchrun_rank_that_dies_before_the_group_forms_is_named_on_the_other_node(tmp_path):
     # Two launchers, as two machines: node 0's torchrun cannot see rank 1 end.

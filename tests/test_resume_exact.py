@@ -154,7 +154,7 @@ def test_a_run_stopped_and_resumed_in_a_fresh_process_is_the_run_without_the_sto
     assert_resumed_exactly(fast_runs, case)
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 @pytest.mark.timeout(2 * PHASE_TIMEOUT + 60)
 @pytest.mark.parametrize("case", SLOW)
 def test_every_plan_precision_and_data_resumes_exactly(slow_runs, case):

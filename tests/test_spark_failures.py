@@ -189,7 +189,7 @@ def test_a_killed_task_names_its_rank_and_its_python_worker_in_one_line(spark_ru
 
 @needs_java
 @pytest.mark.spark
-@pytest.mark.slow
+@pytest.mark.soak
 @pytest.mark.timeout(600)
 def test_a_rank_killed_by_a_signal_is_named_with_the_signal(spark_run):
     """SIGKILL to rank 1's own process (as the out-of-memory killer sends it): its parent,
