@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -33,6 +32,7 @@ from dl4py import MultiLayerNetwork, TorchModel  # noqa: E402
 from dl4py.cli import main  # noqa: E402
 from dl4py.errors import ConfigError  # noqa: E402
 from dl4py.serve import PredictionServer  # noqa: E402
+from test_serve import _read_line  # noqa: E402  (the first line dl4py serve prints, bounded)
 from toy import mlp  # noqa: E402
 
 GOOD = b'{"features": [[0.5, 1.0, -1.0, 2.0]]}'
@@ -246,16 +246,6 @@ def test_a_flood_of_half_sent_connections_cannot_take_every_descriptor_of_the_co
     assert (nested, digits) == (400, 422)
     assert sum(end.startswith(b"HTTP/1.1 408") for end in ends) >= 40  # the served ones heard why
     assert "Too many open files" not in log and "Traceback" not in log, log
-
-
-def _read_line(process, seconds) -> str:
-    """The first line the process prints, or fail after ``seconds`` (never hang)."""
-    found = []
-    reader = threading.Thread(target=lambda: found.append(process.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(seconds)
-    assert found and found[0], f"dl4py serve printed nothing: {process.stderr.read() if process.poll() else ''}"
-    return found[0]
 
 
 # ---- the options -------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL, poll: float = PO
     """Make this process end when ``parent_pid`` does (call it first thing in the child), and
     when ``watch_also`` does: a grandparent that started this process through a server."""
     set_parent_death_signal(sig)
-    if os.getppid() != parent_pid or (watch_also is not None and not _exists(watch_also)):
+    if os.getppid() != parent_pid or (watch_also is not None and not running(watch_also)):
         os._exit(ORPHANED_EXIT_CODE)  # gone before the request above
     threading.Thread(target=_watch, args=(parent_pid, poll, watch_also), name="dl4py-parent-watchdog",
                      daemon=True).start()
@@ -57,13 +57,13 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL, poll: float = PO
 def _watch(parent_pid: int, poll: float, watch_also: int | None) -> None:
     # An orphan is re-parented (to init or a subreaper), so a changed parent id means the
     # parent is gone. os._exit: no clean-up handler of the dying run may write anything.
-    while os.getppid() == parent_pid and (watch_also is None or _exists(watch_also)):
+    while os.getppid() == parent_pid and (watch_also is None or running(watch_also)):
         time.sleep(poll)
     os._exit(ORPHANED_EXIT_CODE)
 
 
-def _exists(pid: int) -> bool:
-    """Whether ``pid`` still runs (a zombie, dead but not yet reaped, counts as gone)."""
+def running(pid: int) -> bool:
+    """Whether ``pid`` still runs on this machine (a zombie, dead but not yet reaped, counts as gone)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
             return stat.read().rsplit(b")", 1)[-1].split()[0] != b"Z"

@@ -24,6 +24,8 @@ import os
 import socket
 from dataclasses import dataclass, replace
 
+from dl4py.process_guard import running
+
 # RankFailed.kind, in the order a cause is looked for: the rank's own error (a bug; a problem
 # with the data or settings) first; its Spark task ending under it; a stop it was asked for;
 # last, a peer that went away, which only echoes another rank's end.
@@ -122,23 +124,6 @@ def pid_space() -> str:
             return f"{boot.read().strip()} {os.readlink('/proc/self/ns/pid')}"
     except OSError:  # no /proc: the host name is all there is
         return socket.gethostname()
-
-
-def running(pid: int) -> bool:
-    """Whether ``pid`` runs on this machine (a zombie, dead but not yet reaped, has ended)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc here: ask the kernel instead
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
 
 
 def _parent(pid: int | None) -> int | None:
