@@ -53,7 +53,7 @@ class Step:
 STEPS = [
     Step("environment", "gpu_steps.environment:run", 40, 30,
          "dl4py info, the backend BACKEND_PRIORITY_* picks, capability, memory, versions"),
-    Step("gpu-tests", "gpu_steps.gpu_tests:run", 120, 45, "pytest -m gpu, 90 s a test"),
+    Step("gpu-tests", "gpu_steps.gpu_tests:run", 240, 90, "pytest -m gpu, 90 s a test, each outcome recorded as it comes"),
     Step("precision", "gpu_steps.precision:run", 100, 30,
          "seed LeNet, each precision eager / compiled / CUDA graphs: samples/s, peak memory, loss, skipped steps"),
     Step("speed", "gpu_steps.speed:run", 70, 45,

@@ -5,7 +5,8 @@
 ``CASE`` is ``plan:precision:data``, e.g. ``single:mixed-fp16:loader``; ``plan`` is
 ``single`` (Model.fit) or a ParallelWrapper training mode on 2 workers, ``data`` a
 ``stream`` (Parquet files read by a TableDirectoryIterator) or a ``loader`` (a shuffling
-torch DataLoader). ``PHASE``:
+torch DataLoader). A case ending ``:cuda`` trains on the GPU (2 workers share cuda:0);
+any other on the CPU. ``PHASE``:
 
 - ``reference``: train ``EPOCHS`` epochs without a stop;
 - ``first``: the same, stopped by a real Ctrl-C (SIGINT) after iteration ``STOP_AT``
@@ -44,6 +45,7 @@ from dl4py import (
     TrainingInterrupted,
     load,
 )
+from devices import backend_for  # beside this script, as it is run
 from dl4py.parallel import ParallelWrapper
 from dl4py.train.listeners import CheckpointListener, TrainingListener
 
@@ -57,14 +59,21 @@ def case_folder(folder: Path, case: str) -> Path:
     return folder / case.replace(":", "-")
 
 
-def network(precision: str) -> MultiLayerNetwork:
+def parse_case(case: str) -> tuple[str, str, str, str]:
+    """``(plan, precision, data, device)`` of ``plan:precision:data[:cuda]``."""
+    plan, precision, kind, *device = case.split(":")
+    return plan, precision, kind, device[0] if device else "cpu"
+
+
+def network(precision: str, device: str = "cpu") -> MultiLayerNetwork:
     """Dropout draws from training's generators (on the input: the hybrid plan takes it only
-    before its first dense layer); Adam's moments are the updater state. Loss scaling grows
-    the scale every 4 steps without an overflow, so the scale changes often."""
+    before its first dense layer; on a GPU, the GPU's generator); Adam's moments are the
+    updater state. Loss scaling grows the scale every 4 steps without an overflow, so the
+    scale changes often."""
     config = NetworkConfig(seed=5, updater=Adam(learning_rate=0.01), input_type=InputType.feed_forward(5), layers=[
         DropoutLayer(rate=0.25), DenseLayer(n_out=16, activation="tanh"), DenseLayer(n_out=16, activation="relu"),
         OutputLayer(n_out=3)])
-    model = MultiLayerNetwork(config, backend="cpu", precision=precision).init()
+    model = MultiLayerNetwork(config, backend=backend_for(device), precision=precision).init()
     if model.scaler is not None:
         model.scaler.load_state_dict({**model.scaler.state_dict(), "growth_interval": 4})
     return model
@@ -159,14 +168,14 @@ class _CtrlCFromWorker(TrainingListener):
 
 
 def run_case(phase: str, folder: Path, case: str) -> None:
-    plan, precision, kind = case.split(":")
+    plan, precision, kind, device = parse_case(case)
     torch.manual_seed(0)
     np.random.seed(0)
     random.seed(0)
     out = case_folder(folder, case)
     out.mkdir(parents=True, exist_ok=True)
     checkpoint = out / "checkpoint.dl4py"
-    model = load(checkpoint, backend="cpu") if phase == "resume" else network(precision)
+    model = load(checkpoint, backend=backend_for(device)) if phase == "resume" else network(precision, device)
     losses = Losses()
     listeners = [losses]
     if phase == "first":
@@ -176,6 +185,8 @@ def run_case(phase: str, folder: Path, case: str) -> None:
             model.fit(data(kind, folder), epochs=EPOCHS - model.epoch_count, listeners=listeners, verbose=0)
         else:
             options = {"tensor_parallel_size": 2} if plan in ("tensor", "hybrid") else {}
+            if device == "cuda":
+                options["devices"] = ["cuda:0"]  # both workers on one GPU, whatever the machine has
             with ParallelWrapper(model, workers=2, training_mode=plan, **options) as wrapper:
                 wrapper.fit(data(kind, folder), epochs=EPOCHS - model.epoch_count, listeners=listeners, verbose=0)
     except TrainingInterrupted:

@@ -33,6 +33,8 @@ from dl4py.errors import ConfigError
 from dl4py.monitor import InMemoryStatsStorage, StatsListener
 from dl4py.train import TrainingInterrupted, TrainingListener
 
+from devices import backend_for, on_devices, tolerance
+
 EXAMPLES, SMALL, K = 204, 8, 4
 BATCHES = -(-EXAMPLES // SMALL)  # 26 an epoch
 UPDATES = -(-EXAMPLES // (SMALL * K))  # 7 an epoch
@@ -245,3 +247,30 @@ def test_the_run_config_sets_it_and_round_trips():
     assert RunConfig.from_dict(config.to_dict()) == config
     assert config.with_overrides(["training.accumulate_batches=5"]).training.accumulate_batches == 5
     assert RunConfig.from_dict({"network": _config(Sgd(0.1)).to_dict()}).training.accumulate_batches == 1
+
+
+@on_devices
+@pytest.mark.parametrize("precision, tolerance_on_cpu", [
+    # about 4 times the gaps seen on a CPU: 1.9e-7, 4e-16, 6.4e-4 (fp16), 7.4e-3 (bf16)
+    ("float", 1e-6), ("double", 1e-12), ("half", 3e-3), ("bfloat16", 3e-2), ("mixed-fp16", 3e-3), ("mixed-bf16", 3e-2),
+])
+def test_on_every_device_and_precision_four_batches_update_as_one(precision, tolerance_on_cpu, device):
+    # Random rows, no MNIST (a GPU machine may lack it): 96 examples make 3 updates an epoch.
+    if device == "cuda" and "bf" in precision and torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("bfloat16 needs a GPU of compute capability 8.0 or later")
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.rand(96, 40, generator=gen), torch.randint(0, 10, (96,), generator=gen)
+    config = _config(Sgd(0.5)).replace(input_type=InputType.feed_forward(40))
+
+    def trained(batch, accumulate=None):
+        net = MultiLayerNetwork(config, backend=backend_for(device), precision=precision)
+        net.fit(ArrayDataSetIterator(x, y, batch_size=batch, shuffle=False), epochs=2, verbose=0,
+                accumulate_batches=accumulate)
+        return net
+
+    big, small = trained(SMALL * K), trained(SMALL, accumulate=K)
+    # float32 on CUDA: other batch sizes take other matrix kernels, which sum in other orders
+    allowed = max(tolerance_on_cpu, tolerance(device)["rtol"]) if device == "cuda" else tolerance_on_cpu
+    assert _gap(big, small) < allowed
+    assert small.update_count == big.update_count == 6 and small.iteration_count == 24
+    assert _gap(big, trained(SMALL)) > 5 * allowed  # batches of 8 without accumulation: what it closes

@@ -121,6 +121,7 @@ def test_info_json_is_valid(capsys):
     assert info["versions"]["torch"]
 
 
+@pytest.mark.slow
 def test_console_entry_point_runs_as_a_module():
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.run([sys.executable, "-m", "dl4py", "summary", str(LENET)], capture_output=True,

@@ -1,5 +1,6 @@
 """`dl4py predict`: a saved model's predictions for a CSV file or a .npy array, as CSV or
-JSON; a bad input file is one line naming it."""
+JSON; a bad input file is one line naming it. On each backend (``--backend``) the command
+answers what the saved model, loaded on that backend, outputs."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import json
 
 import numpy as np
 import pytest
+from devices import backend_for, on_devices, tolerance
 
-from dl4py import NetworkConfig
+from dl4py import NetworkConfig, load
 from dl4py.cli import main
 from dl4py.data import MnistDataSetIterator
 from dl4py.nn import MultiLayerNetwork
@@ -37,41 +39,53 @@ def saved(tmp_path_factory):
     return run_dir, model, test.features.numpy(), test.labels.numpy()
 
 
-def predict(capsys, *args) -> tuple[int, str, str]:
-    code = main(["predict", *map(str, args)])
+def predict(capsys, *args, device="cpu") -> tuple[int, str, str]:
+    code = main(["predict", *map(str, args), "--backend", backend_for(device)])
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
 
-def test_csv_with_label_column_gives_class_indices(saved, tmp_path, capsys):
+def outputs_on(model_file, device, features) -> np.ndarray:
+    """What the saved model outputs on ``device``'s backend (the command's reference: the same
+    device, so the same kernels), on the CPU."""
+    return load(model_file, backend=backend_for(device)).output(features).cpu().numpy()
+
+
+@on_devices
+def test_csv_with_label_column_gives_class_indices(saved, tmp_path, capsys, device):
     run_dir, model, features, labels = saved
     path = tmp_path / "test.csv"
     np.savetxt(path, np.column_stack([features, labels]), delimiter=",", fmt="%.8g")
-    code, out, _ = predict(capsys, run_dir, path)
+    code, out, _ = predict(capsys, run_dir, path, device=device)
     assert code == 0
     lines = out.splitlines()
     assert lines[0] == "prediction"
-    assert [int(v) for v in lines[1:]] == model.output(features).argmax(dim=1).tolist()
+    assert [int(v) for v in lines[1:]] == outputs_on(run_dir / "model.dl4py", device, features).argmax(axis=1).tolist()
 
 
-def test_npy_probabilities_as_json_file(saved, tmp_path, capsys):
+@on_devices
+def test_npy_probabilities_as_json_file(saved, tmp_path, capsys, device):
     run_dir, model, features, _ = saved
     path, output = tmp_path / "x.npy", tmp_path / "out" / "p.json"
     np.save(path, features)
-    code, out, _ = predict(capsys, run_dir / "model.dl4py", path, "--proba", "--output", output)
+    code, out, _ = predict(capsys, run_dir / "model.dl4py", path, "--proba", "--output", output, device=device)
     assert code == 0 and out == ""
     probabilities = np.array(json.loads(output.read_text())["probabilities"])
-    np.testing.assert_allclose(probabilities, model.output(features).numpy(), atol=1e-7, rtol=0)
+    np.testing.assert_allclose(probabilities, outputs_on(run_dir / "model.dl4py", device, features), atol=1e-7, rtol=0)
+    # and, within the device's tolerance, what the model trained on the CPU outputs there
+    np.testing.assert_allclose(probabilities, model.output(features).numpy(), **tolerance(device, cpu=1e-7))
 
 
-def test_features_only_csv_with_header_as_json(saved, tmp_path, capsys):
+@on_devices
+def test_features_only_csv_with_header_as_json(saved, tmp_path, capsys, device):
     run_dir, model, features, _ = saved
     path = tmp_path / "features.csv"
     np.savetxt(path, features[:7], delimiter=",", fmt="%.8g", header=",".join(f"f{i}" for i in range(784)),
                comments="")
-    code, out, _ = predict(capsys, run_dir, path, "--skip-lines", "1", "--format", "json")
+    code, out, _ = predict(capsys, run_dir, path, "--skip-lines", "1", "--format", "json", device=device)
     assert code == 0
-    assert json.loads(out) == {"predictions": model.output(features[:7]).argmax(dim=1).tolist()}
+    expected = outputs_on(run_dir / "model.dl4py", device, features[:7]).argmax(axis=1).tolist()
+    assert json.loads(out) == {"predictions": expected}
 
 
 @pytest.mark.parametrize("content, complaint", [
@@ -96,7 +110,8 @@ def test_bad_npy_is_one_line_naming_the_file(saved, tmp_path, capsys):
     assert code == 2 and err.count("\n") == 1 and "[3, 5]" in err and "[n, 784]" in err, err
 
 
-def test_image_folder_names_each_file(tmp_path, capsys):
+@on_devices
+def test_image_folder_names_each_file(tmp_path, capsys, device):
     from PIL import Image
 
     from dl4py.data import ImagePreProcessingScaler
@@ -113,11 +128,11 @@ def test_image_folder_names_each_file(tmp_path, capsys):
     for name, image in zip(["b/2.png", "a.png", "b/1.png"], pixels):
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         Image.fromarray(image, mode="L").save(folder / name)
-    code, out, _ = predict(capsys, tmp_path / "model.dl4py", folder, "--proba")
+    code, out, _ = predict(capsys, tmp_path / "model.dl4py", folder, "--proba", device=device)
     assert code == 0
     lines = out.splitlines()
     assert lines[0] == "file,p0,p1,p2,p3"
     assert [line.split(",")[0] for line in lines[1:]] == ["a.png", "b/1.png", "b/2.png"]
     in_order = pixels[[1, 2, 0]].reshape(3, 1, 8, 8).astype(np.float32)
     got = np.array([[float(v) for v in line.split(",")[1:]] for line in lines[1:]])
-    np.testing.assert_allclose(got, model.output(in_order).numpy(), atol=1e-7, rtol=0)
+    np.testing.assert_allclose(got, outputs_on(tmp_path / "model.dl4py", device, in_order), atol=1e-7, rtol=0)

@@ -155,6 +155,7 @@ def assert_logs_kept_apart(shown: list[str], *patterns: str) -> None:
         assert any(re.fullmatch(p, line) for p in patterns), f"a log line broken by the bar: {line!r}"
 
 
+@pytest.mark.slow
 def test_a_run_resumed_with_two_workers_shows_its_own_epoch_numbers_and_every_batch(config, tmp_path, capsys):
     """Epoch 1 of 3 on one device, then the rest resumed with two workers in a terminal: the
     bars say "epoch 2/3" and "epoch 3/3" (the run's numbers, not the resumed fit's) and
@@ -202,6 +203,7 @@ def test_a_terminal_that_tells_no_size_gets_a_bar_80_columns_wide():
     assert len(bars[0]) <= 80
 
 
+@pytest.mark.slow
 def test_ctrl_c_prints_the_command_that_continues_the_run(tmp_path, mnist):
     config = tmp_path / "long run.yaml"  # a space: the command must quote it
     config.write_text(LONG_CONFIG)

@@ -217,6 +217,7 @@ def _image_case(tmp_path):
     return config, f"{root / 'b' / 'huge.png'}: 20000x20000 = 400,000,000 pixels, over Pillow's limit"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("case", [_csv_case, _image_case], ids=["csv-nan", "image-past-the-limit"])
 def test_dl4py_train_says_it_in_one_line(tmp_path, case):

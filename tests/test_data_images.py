@@ -79,6 +79,7 @@ def _train_cli(config: dict, tmp_path: Path) -> subprocess.CompletedProcess:
                            "--no-progress"], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_an_image_folder_trains_from_a_run_config(shapes, tmp_path):
     config = _config(shapes, height=SIZE, width=SIZE, channels=3, random_crop=1, flip=True,
                      normalizer="image_scaler")
@@ -89,6 +90,7 @@ def test_an_image_folder_trains_from_a_run_config(shapes, tmp_path):
     assert result["test_examples"] == 90
 
 
+@pytest.mark.slow
 def test_a_corrupt_image_is_one_line_naming_the_file(shapes, tmp_path):
     train = tmp_path / "train"
     for kind in KINDS:

@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader
 
 from dl4py import DenseLayer, InputType, MultiLayerNetwork, NetworkConfig, OutputLayer, TableDirectoryIterator
 from dl4py.data import UnknownLengthError
+from dl4py.data.adapters import as_iterator
 from dl4py.errors import DataError
 
 ROWS, FILES = 1150, 5
@@ -99,6 +100,23 @@ def test_dataloader_workers_read_their_own_shards_in_background(tmp_path):
     assert sorted(ids_of(seen)) == list(range(ROWS))
 
 
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_two_ranks_with_two_loader_workers_each_read_every_row_once_per_epoch(tmp_path, fmt):
+    """Rank r of 2 (``shard(r, 2)``, as a rank program gets its share) reads through a DataLoader
+    with 2 workers, so 4 readers share 5 CSV files or 25 row groups, neither evenly: every row
+    once per epoch over ranks and workers, and each rank only the rows of its own shard."""
+    table = TableDirectoryIterator(write_tables(tmp_path / "t", fmt), label="y", batch_size=32,
+                                   chunk_rows=100, shuffle_buffer=50, seed=7)
+    epoch = 1  # not the first: the loader workers must follow set_epoch's piece order
+    per_rank = []
+    for rank in (0, 1):
+        loader = as_iterator(DataLoader(table.shard(rank, 2).as_dataset(), batch_size=None, num_workers=2))
+        loader.set_epoch(epoch)  # as fit does each epoch
+        per_rank.append(ids_of(loader))
+        assert sorted(per_rank[rank]) == sorted(ids_of(b for _, b in table.batches(epoch, rank, 2)))
+    assert sorted(per_rank[0] + per_rank[1]) == list(range(ROWS))
+
+
 def test_wrong_tables_are_one_clear_error(tmp_path, monkeypatch):
     folder = write_tables(tmp_path / "t", "csv")
     with pytest.raises(DataError, match=r"part-0.csv has no column 'label'; its columns are 'id', 'a', 'b', 'y'"):
@@ -114,6 +132,7 @@ def test_wrong_tables_are_one_clear_error(tmp_path, monkeypatch):
         TableDirectoryIterator(tmp_path / "p", label="y")
 
 
+@pytest.mark.slow
 def test_peak_memory_does_not_grow_with_the_data(tmp_path):
     """Peak RSS growth streaming 2, then 8 Parquet files (8 and 32 MB as float32) with a
     4,096-row cap, each in a fresh process, must not follow the data: a reader that held

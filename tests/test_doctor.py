@@ -57,6 +57,7 @@ def ranks_left(*words: str) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_every_check_has_a_verdict_and_gpu_checks_are_skipped_without_one():
     done, _ = doctor("--json")
     report = json.loads(done.stdout)
@@ -75,6 +76,7 @@ def test_every_check_has_a_verdict_and_gpu_checks_are_skipped_without_one():
     assert report["counts"][PASSED] == list(verdicts.values()).count(PASSED)
 
 
+@pytest.mark.slow
 def test_a_port_already_taken_is_a_failed_rendezvous_within_the_timeout():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -103,6 +105,7 @@ def test_an_address_not_of_this_machine_is_a_failed_rendezvous_within_the_timeou
     print(f"wrong address: doctor {seconds:.1f} s")
 
 
+@pytest.mark.slow
 def test_a_rank_stuck_past_torchs_own_timeout_is_killed_at_the_deadline():
     # A client whose server accepts and never answers ignores torch.distributed's timeout:
     # only the deadline ends it.

@@ -1,4 +1,7 @@
-"""Early stopping, single-device and parallel: conditions, results, best models, safe saving."""
+"""Early stopping, single-device and parallel: conditions, results, best models, safe saving.
+
+A NaN mid-training and a time limit stop a fit on a GPU too (the loss read from the device;
+parallel: two workers sharing cuda:0)."""
 
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ from dl4py import (
     RunConfig,
     Sgd,
 )
+from child_output import first_line
+from devices import backend_for, on_devices
 from dl4py.errors import ConfigError
 from dl4py.parallel import EarlyStoppingParallelTrainer
 from dl4py.train.early_stopping import (
@@ -152,44 +157,48 @@ def _nan_config(tmp_path, validation):
     )
 
 
+def _fit(config, model, train, parallel: bool, device: str):
+    if not parallel:
+        return EarlyStoppingTrainer(config, model, train).fit()
+    devices = {"devices": ["cuda:0"]} if device == "cuda" else {}  # two workers on one GPU
+    return EarlyStoppingParallelTrainer(config, model, train, workers=2, **devices).fit()
+
+
+@on_devices
 @pytest.mark.parametrize("parallel", [False, True])
-def test_nan_in_training_ends_with_invalid_score_and_keeps_the_best_model(tmp_path, parallel):
+def test_nan_in_training_ends_with_invalid_score_and_keeps_the_best_model(tmp_path, parallel, device):
     x, y = toy(512)
     train = PoisonedIterator(x, y, batch_size=32, shuffle=True, seed=1)
     validation = ArrayDataSetIterator(x, y, 128, shuffle=False)
-    model = MultiLayerNetwork(mlp(), backend="cpu")
-    config = _nan_config(tmp_path, validation)
-    if parallel:
-        result = EarlyStoppingParallelTrainer(config, model, train, workers=2).fit()
-    else:
-        result = EarlyStoppingTrainer(config, model, train).fit()
+    model = MultiLayerNetwork(mlp(), backend=backend_for(device))
+    result = _fit(_nan_config(tmp_path, validation), model, train, parallel, device)
     assert result.termination_reason == "IterationTerminationCondition"
     assert result.termination_details.startswith("InvalidScore")
     assert result.total_epochs == 2 and result.best_model_epoch in (0, 1)
-    best = result.best_model()
+    best = result.best_model(backend=backend_for(device))
+    assert {p.device.type for p in best.module.parameters()} == {device}
     assert all(torch.isfinite(p).all() for p in best.module.parameters())
     assert ClassificationScoreCalculator("accuracy", validation).calculate_score(best) == result.best_model_score
 
 
+@on_devices
 @pytest.mark.parametrize("parallel", [False, True])
-def test_max_time_stops_a_running_fit_part_way_through_its_first_epoch(parallel):
+def test_max_time_stops_a_running_fit_part_way_through_its_first_epoch(parallel, device):
     """MaxTime is asked during the epoch, not at its end: an epoch of 25,000 steps, far longer
     than the 1.5 s allowed, is cut short (no wall time asserted: this machine's load varies)."""
     x, y = toy(100_000)
     train = ArrayDataSetIterator(x, y, batch_size=4)  # 25,000 steps an epoch: far beyond 1.5 s
     config = EarlyStoppingConfiguration(score_calculator=DataSetLossCalculator(ArrayDataSetIterator(x[:256], y[:256], 256)),
                                         epoch_conditions=[MaxEpochs(100)], iteration_conditions=[MaxTime(1.5)])
-    model = MultiLayerNetwork(mlp(), backend="cpu")
-    if parallel:
-        result = EarlyStoppingParallelTrainer(config, model, train, workers=2).fit()
-    else:
-        result = EarlyStoppingTrainer(config, model, train).fit()
+    model = MultiLayerNetwork(mlp(), backend=backend_for(device))
+    result = _fit(config, model, train, parallel, device)
     assert result.termination_reason == "IterationTerminationCondition"
     assert result.termination_details.startswith("MaxTime(1.5 s)")
     assert result.total_epochs == 0 and model.epoch_count == 0
     assert 0 < model.iteration_count < len(train)
 
 
+@pytest.mark.slow
 def test_parallel_result_matches_the_single_kind_and_best_model_reproduces_its_score(tmp_path, mnist):
     config = RunConfig.from_file(ROOT / "examples" / "lenet_mnist.yaml").network
     # 12 batches an epoch (6 rounds of 2 workers, averaged every 3): enough for the termination and
@@ -221,6 +230,7 @@ def test_parallel_result_matches_the_single_kind_and_best_model_reproduces_its_s
     assert again.total_epochs == 3 and sorted(again.score_vs_epoch) == [3, 4, 5]
 
 
+@pytest.mark.slow
 def test_killing_the_process_mid_save_keeps_the_previous_best_model(tmp_path):
     """A process saves a large model over and over and is killed at arbitrary moments; the
     file under the real name is always a complete model (a write interrupted half-way
@@ -245,7 +255,7 @@ def test_killing_the_process_mid_save_keeps_the_previous_best_model(tmp_path):
     for attempt in range(4):
         proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env,
                                 stdout=subprocess.PIPE, text=True)
-        assert proc.stdout.readline().strip() == "ready"
+        assert first_line(proc, 120, "the saving process").strip() == "ready"
         # Kill the moment a write is under way (its temporary file exists); most of each
         # save is spent building the bytes in memory, so a kill at a random time often misses.
         deadline = time.monotonic() + 20

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -40,6 +41,7 @@ def alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.soak  # long for make test's budget: make soak runs it (DEVELOPERS.md)
 @pytest.mark.timeout(240)  # a broken step timeout must fail this test, not hang the suite
 def test_each_outcome_is_recorded_and_the_next_step_still_runs(tmp_path, fakes_importable):
     steps = [fake("raises", "raises"), fake("hangs", "hangs", HANG_BUDGET_S), fake("misses", "misses_a_target"),
@@ -79,6 +81,7 @@ def test_each_outcome_is_recorded_and_the_next_step_still_runs(tmp_path, fakes_i
         assert f"| {name} | **{verdict}** |" in markdown
 
 
+@pytest.mark.soak  # long for make test's budget: make soak runs it (DEVELOPERS.md)
 @pytest.mark.timeout(120)
 def test_a_spent_budget_leaves_the_last_steps_not_run(tmp_path, fakes_importable):
     steps = [fake("hangs", "hangs", HANG_BUDGET_S), fake("passes", "passes", 30)]
@@ -95,6 +98,7 @@ def test_only_names_unknown_steps(capsys):
     assert "no step named warp-drive" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_cpu_rehearsal_runs_every_step_with_a_verdict(tmp_path):
     """make gpu-check DEVICE=cpu QUICK=1, end to end: every step has a verdict, none failed."""
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--quick",
@@ -110,3 +114,28 @@ def test_the_cpu_rehearsal_runs_every_step_with_a_verdict(tmp_path):
     for name in ("torch", "python", "device_name"):
         assert record[name]
     assert (tmp_path / "gpu-check-cpu.md").read_text().startswith("# GPU check: CPU")
+
+
+def test_the_gpu_tests_step_records_each_outcome_as_pytest_prints_it(tmp_path):
+    """A run cut short keeps what it saw: the failure is in the result file before pytest ends
+    (here pytest "crashes" right after it, exiting 3)."""
+    from gpu_steps import gpu_tests
+    from gpu_steps._check import Check
+
+    check = Check(torch.device("cpu"), quick=True, result_path=tmp_path / "result.json", work_dir=tmp_path)
+    lines = ["tests/test_a.py::test_b[cuda] PASSED   [ 33%]", "tests/test_a.py::test_c[cuda] SKIPPED  [ 66%]",
+             "tests/test_a.py::test_d[cuda] FAILED   [100%]", "INTERNALERROR> boom"]
+    script = f"import sys; print({chr(10).join(lines)!r}, flush=True); sys.exit(3)"
+    with pytest.raises(RuntimeError, match="exited 3"):
+        gpu_tests.run_streamed([sys.executable, "-c", script], check)
+    saved = json.loads((tmp_path / "result.json").read_text())["figures"]
+    assert saved["counts"] == {"passed": 1, "skipped": 1, "failed": 1}
+    assert saved["failures"] == ["tests/test_a.py::test_d[cuda]"]
+
+
+def test_gpu_test_files_include_those_parametrized_over_devices():
+    from gpu_steps import gpu_tests
+
+    names = {Path(f).name for f in gpu_tests.gpu_test_files()}
+    assert "test_fast_path.py" in names  # marks a test gpu itself
+    assert any("from devices import" in (ROOT / "tests" / n).read_text() for n in names)

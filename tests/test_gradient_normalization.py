@@ -1,6 +1,7 @@
 """DL4J's GradientNormalization: each mode against numbers worked out by hand, the layer's
-own setting over the network's, unscaling before clipping under fp16 loss scaling, an
-exploding regression that clipping rescues, and the config keys."""
+own setting over the network's, every mode under every precision policy on every device (the
+update steps on the normalized true gradient: unscaled, the float32 master's), an overflow
+skipped whatever the mode, an exploding regression that clipping rescues, and the config keys."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import pytest
 import torch
 
 from dl4py import DenseLayer, InputType, MultiLayerNetwork, NetworkConfig, OutputLayer, Sgd
+from dl4py.backend.precision import NAMES
 from dl4py.errors import ConfigError, TrainingError
+
+from devices import backend_for, on_devices, tolerance
 
 # One linear output unit, zero weights, x = [3, 4], target 1, mse: the prediction is 0, the
 # loss (0 - 1)^2 and its gradient 2 (0 - 1) = -2, so dW = -2 x = [-6, -8] and db = -2. With
@@ -64,6 +68,124 @@ def test_under_fp16_loss_scaling_the_gradient_is_unscaled_before_clipping():
     net.train_step(X.float(), Y.float())
     layer = net.module[0].op
     assert layer.weight.tolist() == [[5.0, 5.0]] and layer.bias.tolist() == [2.0]
+
+
+# -- every mode under every precision policy, on every device ----------------------------------
+# The update must be lr times the normalized *true* gradient. Under loss scaling that is the
+# unscaled one: normalized while still scaled by 2**10, a clipped or renormalized update would
+# be up to 1024 times too small. Under master weights it is the float32 master's: normalizing
+# the 16-bit copy would round the result to 16 bits (or leave the masters' gradients as they were).
+MODES = ["renormalize_l2_per_layer", "renormalize_l2_per_param_type", "clip_element_wise_absolute_value",
+         "clip_l2_per_layer", "clip_l2_per_param_type"]
+LR, THRESHOLD, SCALE = 0.5, 0.5, 2.0**10
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def _policy_net(precision: str, mode: str, device: str, scale: float = SCALE) -> MultiLayerNetwork:
+    if device == "cuda" and "bf" in precision and torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("bfloat16 needs a GPU of compute capability 8.0 or later")
+    config = NetworkConfig(
+        layers=[DenseLayer(n_out=6, activation="tanh"), OutputLayer(n_out=3, loss="mse", activation="identity")],
+        input_type=InputType.feed_forward(5), updater=Sgd(LR), seed=2,
+        gradient_normalization=mode, gradient_normalization_threshold=THRESHOLD,
+    )
+    net = MultiLayerNetwork(config, backend=backend_for(device), precision=precision).init()
+    if net.scaler is not None:  # a known scale (the default 2**16 would overflow fp16 here)
+        net.scaler = torch.amp.GradScaler(device, init_scale=scale)
+    return net
+
+
+def _policy_batch(net):
+    gen = torch.Generator().manual_seed(5)
+    x, y = 2 * torch.randn(16, 5, generator=gen), 3 * torch.randn(16, 3, generator=gen)
+    labels = y.double() if net.precision.name == "double" else y
+    return net.prepare_input(x.to(net.device)), labels.to(net.device)
+
+
+def _stepped(net) -> list[list[torch.Tensor]]:
+    """Per layer, the parameters the updater steps (the float32 masters where there are some)."""
+    module = net.module if net.master is None else net.master.master_module
+    return [list(layer.parameters()) for layer in module]
+
+
+def _true_gradient(net, x, y) -> list[list[torch.Tensor]]:
+    """Per layer, in float64, the gradient this step's backward makes: of the loss times the
+    loss scale where there is one, then unscaled (a power of two: exact). Read off the module
+    before the step, and cleared again."""
+    scale = SCALE if net.scaler is not None else 1.0
+    net.module.zero_grad(set_to_none=True)
+    with net.precision.forward_context(net.device):
+        outputs = net.module(x)
+    (net.loss(outputs.float() if outputs.dtype in _LOW else outputs, y) * scale).backward()
+    grads = [[p.grad.double() / scale for p in layer.parameters()] for layer in net.module]
+    net.module.zero_grad(set_to_none=True)
+    return grads
+
+
+def _normalized(layers: list[list[torch.Tensor]], mode: str) -> list[list[torch.Tensor]]:
+    """DL4J's formulas, written out (none of these norms is 0 here)."""
+    def norm(grads):
+        return torch.sqrt(sum((g * g).sum() for g in grads))
+
+    per_layer = {
+        "renormalize_l2_per_layer": lambda grads: [g / norm(grads) for g in grads],
+        "renormalize_l2_per_param_type": lambda grads: [g / norm([g]) for g in grads],
+        "clip_element_wise_absolute_value": lambda grads: [g.clamp(-THRESHOLD, THRESHOLD) for g in grads],
+        "clip_l2_per_layer": lambda grads: [g * min(1.0, THRESHOLD / norm(grads)) for g in grads],
+        "clip_l2_per_param_type": lambda grads: [g * min(1.0, THRESHOLD / norm([g])) for g in grads],
+    }[mode]
+    return [per_layer(grads) for grads in layers]
+
+
+def _differs(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]], atol: float) -> bool:
+    return any(not torch.allclose(x, y, rtol=0, atol=atol) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
+
+
+@on_devices
+@pytest.mark.parametrize("precision", NAMES)
+@pytest.mark.parametrize("mode", MODES)
+def test_the_update_steps_on_the_normalized_true_gradient_in_every_precision(mode, precision, device):
+    net = _policy_net(precision, mode, device)
+    x, y = _policy_batch(net)
+    true = _true_gradient(net, x, y)
+    before = [[p.detach().to(torch.float64, copy=True) for p in layer] for layer in _stepped(net)]
+    net.train_step(x, y)
+    assert net.update_count == 1  # applied: no overflow at this scale
+    expected = _normalized(true, mode)
+    # Float32 updates of weights below 2, or float64 ones, on the CPU: far below a 16-bit
+    # rounding of the gradient (2**-9 relative) or any loss scale's factor.
+    close = tolerance(device, cpu=1e-12 if precision == "double" else 1e-6)
+    for layer, old, grads in zip(_stepped(net), before, expected):
+        for param, b, g in zip(layer, old, grads):
+            torch.testing.assert_close(param.detach().double().cpu(), (b - LR * g).cpu(), **close)
+    if net.master is not None:  # the module holds the masters, rounded
+        for low, high in zip(net.module.parameters(), net.master.master_module.parameters()):
+            assert torch.equal(low, high.to(low.dtype))
+    # What the test tells apart: the normalization changes the gradient, and (under loss
+    # scaling) normalizing the scaled gradient would have changed it differently.
+    assert _differs(expected, true, atol=0.1)
+    if net.scaler is not None:
+        scaled = [[g / SCALE for g in grads] for grads in _normalized([[g * SCALE for g in gs] for gs in true], mode)]
+        assert _differs(expected, scaled, atol=0.1)
+
+
+@on_devices
+@pytest.mark.parametrize("precision", ["half", "mixed-fp16"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("scale", [2.0**17, 2.0**60], ids=["inf", "nan"])
+def test_an_overflowing_step_is_skipped_whatever_the_normalization(scale, mode, precision, device):
+    # At 2**17 some weight gradients of this batch overflow fp16 to +-inf and nothing is NaN:
+    # clamped to the threshold, they would look finite. The overflow must be seen as the
+    # gradient is unscaled, before the normalization, and the step skipped. (At 2**60 the
+    # backward makes NaNs too.)
+    net = _policy_net(precision, mode, device, scale=scale)
+    x, y = _policy_batch(net)
+    before = [p.detach().clone() for p in net.module.parameters()]
+    masters = [p.detach().clone() for layer in _stepped(net) for p in layer]
+    net.train_step(x, y)
+    assert net.update_count == 0 and net.scaler.get_scale() == scale / 2
+    assert all(torch.equal(a, b) for a, b in zip(before, net.module.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(masters, (p for layer in _stepped(net) for p in layer)))
 
 
 def _two_layers(**settings) -> MultiLayerNetwork:

@@ -2,7 +2,9 @@
 
 "Measured" is the peak of live tensor bytes in a real step of a real model, followed
 operator by operator (``LiveTensorBytes``, a TorchDispatchMode); the estimate comes from
-the config alone. Every case must agree within 1% (``TOLERANCE``).
+the config alone. Every case must agree within 1% (``TOLERANCE``). The cases that run on a
+GPU too measure ``torch.cuda.max_memory_allocated`` there (tests/step_peak.py), where
+docs/memory.md claims nothing yet: a miss there is an expected failure naming the numbers.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from devices import backend_for, on_devices
 from dl4py import Adam, AdamW, MultiLayerNetwork, Nesterovs, NetworkConfig, RunConfig, Sgd
 from dl4py.cli import main
 from dl4py.errors import ConfigError
@@ -23,8 +26,8 @@ from dl4py.memory import (
     estimate,
     max_batch_size,
     max_parameters,
-    measure_training_step,
 )
+from step_peak import check_estimate, inference_peak, step_peak
 
 MiB = 2**20
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,12 +63,12 @@ MEASURED_CASES = [(name, batch, "float") for name in MODELS for batch in (32, 12
 ]
 
 
-def _measured(config: NetworkConfig, batch: int, precision: str) -> int:
-    net = MultiLayerNetwork(config, backend="cpu", precision=precision).init()
+def _measured(config: NetworkConfig, batch: int, precision: str, device: str = "cpu") -> int:
+    net = MultiLayerNetwork(config, backend=backend_for(device), precision=precision).init()
     generator = torch.Generator().manual_seed(0)
     features = torch.rand(batch, *config.input_type.example_shape(), generator=generator)
     labels = torch.randint(0, 10, (batch,), generator=generator)
-    return measure_training_step(net, features, labels).peak_bytes
+    return step_peak(net, features, labels)
 
 
 # -- the measurement itself ------------------------------------------------------------
@@ -130,50 +133,58 @@ def test_max_parameters_rejects_a_reserve_larger_than_the_memory():
 
 # -- the estimate against measured steps -----------------------------------------------
 
+@on_devices
 @pytest.mark.parametrize("name, batch, precision", MEASURED_CASES)
-def test_estimate_is_within_1_percent_of_the_measured_peak(name, batch, precision):
+def test_estimate_is_within_1_percent_of_the_measured_peak(name, batch, precision, device):
     config = MODELS[name]
-    measured = _measured(config, batch, precision)
-    estimated = estimate(config, batch, precision, device="cpu").peak_bytes
-    assert abs(estimated / measured - 1) <= TOLERANCE, (name, batch, precision, estimated, measured)
+    measured = _measured(config, batch, precision, device)
+    estimated = estimate(config, batch, precision, device=device).peak_bytes
+    check_estimate(estimated, measured, TOLERANCE, device, (name, batch, precision))
 
 
+@on_devices
 @pytest.mark.parametrize("kernel", ["loop", "foreach", "fused"])
 @pytest.mark.parametrize("updater", [Sgd(learning_rate=0.1), Nesterovs(), Adam(), AdamW()], ids=lambda u: type(u).__name__)
-def test_each_update_implementation_is_estimated(updater, kernel, monkeypatch):
+def test_each_update_implementation_is_estimated(updater, kernel, device, monkeypatch):
     # Small batches of a wide MLP: the update's scratch tensors decide the peak.
     config = _mlp(1500, updater, l2=0.0 if isinstance(updater, AdamW) else 5e-4)
     import dl4py.nn.network as network_module
 
     real = network_module.make_optimizer
     monkeypatch.setattr(network_module, "make_optimizer", lambda u, groups, *a, **k: real(u, groups, kernel))
-    measured = _measured(config, 16, "float")
-    estimated = estimate(config, 16, "float", device="cpu", optimizer=kernel).peak_bytes
-    assert abs(estimated / measured - 1) <= TOLERANCE, (kernel, estimated, measured)
+    measured = _measured(config, 16, "float", device)
+    estimated = estimate(config, 16, "float", device=device, optimizer=kernel).peak_bytes
+    check_estimate(estimated, measured, TOLERANCE, device, kernel)
 
 
+@on_devices
 @pytest.mark.parametrize("precision", ["double", "mixed-bf16"])
-def test_other_precisions_are_estimated(precision):
+def test_other_precisions_are_estimated(precision, device):
     # At batch 256 the MLP's first autocast weight copy, which autograd does not keep, is 4%
     # of the mixed-bf16 peak: an estimate that kept it until the backward pass fails here.
     for config, batch in ((LENET, 256), (_mlp(1500), 256)):
-        measured = _measured(config, batch, precision)
-        estimated = estimate(config, batch, precision, device="cpu").peak_bytes
-        assert abs(estimated / measured - 1) <= TOLERANCE, (precision, batch, estimated, measured)
+        measured = _measured(config, batch, precision, device)
+        estimated = estimate(config, batch, precision, device=device).peak_bytes
+        check_estimate(estimated, measured, TOLERANCE, device, (precision, batch))
 
 
-def test_inference_needs_no_gradients_and_is_estimated():
-    net = MultiLayerNetwork(VGG, backend="cpu").init()
+@on_devices
+def test_inference_needs_no_gradients_and_is_estimated(device):
+    net = MultiLayerNetwork(VGG, backend=backend_for(device)).init()
     features = torch.rand(256, 784)
-    tracker = LiveTensorBytes()
-    tracker.track(list(net.module.parameters()) + list(net.module.buffers()) + [features])
-    with torch.no_grad(), tracker:
-        net.module.eval()(features)
-    report = estimate(VGG, 256, "float", training=False, device="cpu")
+    if device == "cuda":
+        measured = inference_peak(net, features)
+    else:
+        tracker = LiveTensorBytes()
+        tracker.track(list(net.module.parameters()) + list(net.module.buffers()) + [features])
+        with torch.no_grad(), tracker:
+            net.module.eval()(features)
+        measured = tracker.peak
+    report = estimate(VGG, 256, "float", training=False, device=device)
     assert report.gradient_bytes == report.updater_bytes == report.activation_bytes == 0
+    assert report.peak_bytes < estimate(VGG, 256, "float", device=device).peak_bytes
     # Labels are not part of inference; they are a few bytes per example in the estimate.
-    assert abs(report.peak_bytes / tracker.peak - 1) <= TOLERANCE
-    assert report.peak_bytes < estimate(VGG, 256, "float", device="cpu").peak_bytes
+    check_estimate(report.peak_bytes, measured, TOLERANCE, device, "inference")
 
 
 def test_report_parts_add_up_and_name_the_peak():
@@ -276,6 +287,7 @@ def test_memory_command_with_batch_size_auto_needs_memory_to_fit_to(tmp_path, ca
     assert answer["batch_size"] == answer["largest_batch_size"] > 128 and answer["fits"] is True
 
 
+@pytest.mark.slow
 def test_batch_size_auto_trains_with_the_largest_batch_that_fits(tmp_path, mnist, monkeypatch):
     from dl4py.memory import DeviceMemory
     from dl4py.memory import auto as auto_module

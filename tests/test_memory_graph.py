@@ -5,7 +5,8 @@ real ComputationGraph (``LiveTensorBytes``), and the estimate comes from the con
 The graphs are chosen so that each rule of a graph decides some peak: the residual CNN of
 examples/resnet_mnist.yaml, a residual block whose skip gradient waits while the block's
 larger tensors are differentiated, two branches merged, and one result read by two poolings,
-whose gradients meet at the peak.
+whose gradients meet at the peak. On a GPU (``torch.cuda.max_memory_allocated``, a plain
+step) docs/memory.md claims nothing yet: a miss there is an expected failure (tests/step_peak.py).
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from devices import backend_for, on_devices
 from dl4py import ComputationGraph, GraphConfig, RunConfig
 from dl4py.cli import main
-from dl4py.memory import LiveTensorBytes, estimate, measure_training_step
+from dl4py.memory import LiveTensorBytes, estimate
+from step_peak import check_estimate, inference_peak, step_peak
 
 ROOT = Path(__file__).resolve().parents[1]
 RESNET_YAML = ROOT / "examples" / "resnet_mnist.yaml"
@@ -73,38 +76,49 @@ TWO_POOLINGS = _graph({
 })
 
 
-def _measured(config: GraphConfig, batch: int, precision: str = "float") -> int:
-    net = ComputationGraph(config, backend="cpu", precision=precision).init()
+def _measured(config: GraphConfig, batch: int, precision: str = "float", device: str = "cpu") -> int:
+    net = ComputationGraph(config, backend=backend_for(device), precision=precision).init()
     generator = torch.Generator().manual_seed(0)
     features = torch.rand(batch, 784, generator=generator)
     labels = torch.randint(0, 10, (batch,), generator=generator)
-    return measure_training_step(net, features, labels).peak_bytes
+    return step_peak(net, features, labels)
 
 
-def _check(config: GraphConfig, batch: int, precision: str = "float") -> None:
-    measured = _measured(config, batch, precision)
-    estimated = estimate(config, batch, precision, device="cpu", as_measured=True).peak_bytes
-    assert abs(estimated / measured - 1) <= TOLERANCE, (batch, precision, estimated, measured)
+def _as_measured(device: str) -> bool:
+    """The CPU's measurement runs under a TorchDispatchMode, which adds gradients meeting at a
+    fork out of place; the GPU's is a plain step."""
+    return device == "cpu"
 
 
+def _check(config: GraphConfig, batch: int, precision: str = "float", device: str = "cpu") -> None:
+    measured = _measured(config, batch, precision, device)
+    estimated = estimate(config, batch, precision, device=device, as_measured=_as_measured(device)).peak_bytes
+    check_estimate(estimated, measured, TOLERANCE, device, (batch, precision))
+
+
+@on_devices
 @pytest.mark.parametrize("precision", ["float", "bfloat16"])
-def test_the_residual_example_is_estimated_within_1_percent(precision):
-    _check(RESNET, 32, precision)
+def test_the_residual_example_is_estimated_within_1_percent(precision, device):
+    _check(RESNET, 32, precision, device)
 
 
-def test_a_skip_gradient_waiting_for_its_block_is_counted():
-    _check(WIDENING_BLOCK, 16)
+@on_devices
+def test_a_skip_gradient_waiting_for_its_block_is_counted(device):
+    _check(WIDENING_BLOCK, 16, device=device)
 
 
-def test_a_merge_of_two_branches_is_estimated():
-    _check(MERGED, 16)
+@on_devices
+def test_a_merge_of_two_branches_is_estimated(device):
+    _check(MERGED, 16, device=device)
 
 
-def test_an_elementwise_maximum_is_estimated():
-    _check(MAXIMUM, 16)
+@on_devices
+def test_an_elementwise_maximum_is_estimated(device):
+    _check(MAXIMUM, 16, device=device)
 
 
-def test_a_graph_of_two_inputs_and_two_outputs_is_estimated():
+@on_devices
+def test_a_graph_of_two_inputs_and_two_outputs_is_estimated(device):
     # Both inputs are part of the batch; the labels of both outputs travel as float rows.
     image = IMAGE["image"]
     config = GraphConfig.from_dict({
@@ -116,14 +130,15 @@ def test_a_graph_of_two_inputs_and_two_outputs_is_estimated():
                      "parity": {"inputs": ["pool"], "layer": {"type": "output", "n_out": 2, "loss": "mcxent"}}},
         "outputs": ["digit", "parity"],
     })
-    net = ComputationGraph(config, backend="cpu").init()
+    net = ComputationGraph(config, backend=backend_for(device)).init()
     generator = torch.Generator().manual_seed(0)
     features = net.pack_inputs(torch.rand(16, 784, generator=generator), torch.rand(16, 784, generator=generator))
     digits = torch.randint(0, 10, (16,), generator=generator)
-    measured = measure_training_step(net, features, net.pack_labels(digits, digits % 2)).peak_bytes
-    report = estimate(config, 16, device="cpu", as_measured=True)
-    assert report.input_bytes == 16 * (2 * 784 + 12) * 4
-    assert abs(report.peak_bytes / measured - 1) <= TOLERANCE, (report.peak_bytes, measured)
+    measured = step_peak(net, features, net.pack_labels(digits, digits % 2))
+    report = estimate(config, 16, device=device, as_measured=_as_measured(device))
+    granule = 512 if device == "cuda" else 1  # the caching allocator's blocks
+    assert report.input_bytes == sum(-(-size // granule) * granule for size in (16 * 2 * 784 * 4, 16 * 12 * 4))
+    check_estimate(report.peak_bytes, measured, TOLERANCE, device, "two inputs, two outputs")
 
 
 def test_gradients_meeting_at_a_fork_are_added_out_of_place_only_under_a_dispatch_mode():
@@ -161,18 +176,23 @@ def _accumulates_in_place(mode) -> bool:
     return total[0] in parts
 
 
-def test_graph_inference_holds_a_result_until_its_last_reader_is_done():
+@on_devices
+def test_graph_inference_holds_a_result_until_its_last_reader_is_done(device):
     # The stem's result lives on while the left branch runs, for the right one.
-    net = ComputationGraph(MERGED, backend="cpu").init()
+    net = ComputationGraph(MERGED, backend=backend_for(device)).init()
     features = torch.rand(256, 784)
-    tracker = LiveTensorBytes()
-    tracker.track(list(net.module.parameters()) + list(net.module.buffers()) + [features])
-    with torch.no_grad(), tracker:
-        net.module.eval()(features)
-    report = estimate(MERGED, 256, training=False, device="cpu")
+    if device == "cuda":
+        measured = inference_peak(net, features)
+    else:
+        tracker = LiveTensorBytes()
+        tracker.track(list(net.module.parameters()) + list(net.module.buffers()) + [features])
+        with torch.no_grad(), tracker:
+            net.module.eval()(features)
+        measured = tracker.peak
+    report = estimate(MERGED, 256, training=False, device=device)
     assert report.gradient_bytes == report.activation_bytes == 0
-    assert abs(report.peak_bytes / tracker.peak - 1) <= TOLERANCE, (report.peak_bytes, tracker.peak)
     assert report.peak_phase == "inference, vertex 'left' (relu)"
+    check_estimate(report.peak_bytes, measured, TOLERANCE, device, "inference")
 
 
 def test_a_chain_written_as_a_graph_needs_what_the_chain_needs():

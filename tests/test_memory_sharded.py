@@ -1,37 +1,59 @@
 """One rank's memory in sharded training (FSDP2), measured and estimated.
 
-Two gloo ranks, spawned once for the module, each shard a model with ``shard_replica``
-and measure one training step with ``LiveTensorBytes`` (a DTensor counted by its local
-shard, storages FSDP2 resizes re-read after each operator). Meanwhile the test process
+Two gloo ranks (``tests/ranks.py``: bounded, named when one fails), started once for the
+module on each device, each shard a model with ``shard_replica`` and measure one training
+step: on the CPU with ``LiveTensorBytes`` (a DTensor counted by its local shard, storages
+FSDP2 resizes re-read after each operator), on a GPU with ``torch.cuda.max_memory_allocated``
+(both ranks share it; each process keeps its own allocator statistics). The test process
 measures the plain model's step on rank 0's batch: the single-process figure.
+
+What is asserted is what docs/memory.md says ("Sharded training: one rank's memory").
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
-import multiprocessing
-import traceback
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from dl4py import MultiLayerNetwork, Nesterovs, RunConfig
 from dl4py.cli import main
 from dl4py.errors import ConfigError
-from dl4py.memory import estimate, max_parameters
-from dl4py.parallel.sharding import UNIT_FRACTION
+from dl4py.memory import estimate, max_parameters, measure_training_step
+from dl4py.memory.measure import cuda_allocated_besides, resident_tensors
+from dl4py.parallel.sharding import UNIT_FRACTION, shard_replica
+from dl4py.train.step import make_train_step
+
+from devices import DEVICES, backend_for
+from ranks import run_ranks
+from step_peak import release_cuda, step_peak
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP_YAML = ROOT / "examples" / "mlp_4000.yaml"
 MLP = RunConfig.from_file(MLP_YAML).network  # 784-4000-4000-10, Nesterovs with L2
 LENET = RunConfig.from_file(ROOT / "examples" / "lenet_mnist.yaml").network
-CASES = {"mlp": (MLP, 64), "lenet": (LENET, 256)}
+NETWORKS = {"mlp": MLP, "lenet": LENET}
+CASES = [("mlp", 64), ("lenet", 256)]  # (network, batch per rank), measured on 2 ranks of each device
+# docs/memory.md's other rows, and 3 ranks: measured on a GPU only, where a step's peak is read
+# off the allocator in no time (LiveTensorBytes follows every storage: a minute on the CPU).
+GPU_CASES = {2: [("mlp", 128), ("mlp", 256), ("lenet", 128)], 3: [("mlp", 128)]}
 WORKERS = 2
-# The issue's bound. The estimate has agreed to 8 bytes on every case measured, but on the
-# CPU gloo's reduce-scatter copy is now and then kept by a rank until its next collective
-# (docs/memory.md): LeNet at 256, whose peak is in its first pooling's backward, is clear of it.
-TOLERANCE = 0.05
+RANKS_TIMEOUT_S = 300  # both ranks measure both cases; about a minute on a loaded 2-core CPU
+# docs/memory.md: on the CPU the estimate is rank 0's measured peak to 8 bytes, but for gloo's
+# reduce-scatter copy, which a rank now and then keeps past the peak (a race between gloo's
+# thread and the step, so no run can be told to avoid it): one gathered unit more at most.
+EXACT_BYTES = 8
+# On a GPU, max_memory_allocated counts allocator blocks (a block over 1 MiB may be up to 1 MiB
+# larger than the request it serves) and cuDNN's workspaces, which the estimate leaves out: its
+# claim there is 15% (docs/memory.md), the single process's measured gap (up to +14%).
+GPU_TOLERANCE = 0.15
 
 
 def _batch(config, batch: int, seed: int):
@@ -40,79 +62,128 @@ def _batch(config, batch: int, seed: int):
     return features, torch.randint(0, 10, (batch,), generator=generator)
 
 
-def _rank(rank: int, folder: str) -> None:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+def _local(tensors) -> list[torch.Tensor]:
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
 
-    from dl4py.memory import measure_training_step
-    from dl4py.parallel.sharding import shard_replica
 
-    folder = Path(folder)
+def rank_step(net, features, labels) -> dict:
+    """One rank's bytes in a training step of its sharded ``net`` (after a warm-up step on two
+    examples, so the updater's state exists): {"peak", "resident": what it held before the
+    step}. Live tensors on a CPU; on a GPU the allocator's peak, less what it held at the start
+    for anything but the rank's shards, their updater state and the batch (cuBLAS'
+    workspaces), as ``step_peak`` measures; no resident figure there."""
+    if net.device.type != "cuda":
+        step = measure_training_step(net, features, labels)
+        return {"peak": step.peak_bytes, "resident": step.resident_bytes}
+    release_cuda()
+    step = make_train_step(net)
+    features, labels = features.to(net.device), labels.to(net.device)
+    step(features[:2], labels[:2])
+    torch.cuda.synchronize(net.device)
+    torch.cuda.reset_peak_memory_stats(net.device)
+    outside = cuda_allocated_besides(_local(resident_tensors(net)) + [features, labels], net.device)
+    step(features, labels)
+    torch.cuda.synchronize(net.device)
+    return {"peak": torch.cuda.max_memory_allocated(net.device) - outside, "resident": None}
+
+
+def case_id(network: str, batch: int) -> str:
+    return f"{network}-{batch}"
+
+
+def _rank(rank: int, folder: str, device: str, workers: int, cases: list) -> None:
+    """One rank: each case's network sharded over ``workers`` ranks, a step measured on a batch
+    of its own; the peaks written to ``peaks{rank}.json`` by case."""
+    faulthandler.enable()  # a crash below Python (the GPU check saw SIGSEGV) shows where
+    torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(0)  # the ranks share the one GPU, so gloo: NCCL wants one GPU a rank
+    dist.init_process_group("gloo", init_method=f"file://{Path(folder) / 'rendezvous'}", rank=rank,
+                            world_size=workers)
     try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{folder / 'rendezvous'}", rank=rank,
-                                world_size=WORKERS)
-        mesh = init_device_mesh("cpu", (WORKERS,))
+        mesh = init_device_mesh(device, (workers,))
         peaks = {}
-        for name, (config, batch) in CASES.items():
+        for network, batch in cases:
+            config = NETWORKS[network]
             features, labels = _batch(config, batch, seed=rank)
-            net = MultiLayerNetwork(config, backend="cpu").init()
+            net = MultiLayerNetwork(config, backend=backend_for(device)).init()
             shard_replica(net, mesh)
-            peaks[name] = measure_training_step(net, features, labels).peak_bytes
-        gathered = [None] * WORKERS
-        dist.all_gather_object(gathered, peaks)
-        if rank == 0:
-            (folder / "peaks.json").write_text(json.dumps(gathered))
+            peaks[case_id(network, batch)] = rank_step(net, features, labels)
+            del net
+        Path(folder, f"peaks{rank}.json").write_text(json.dumps(peaks))
+    finally:
         dist.destroy_process_group()
-    except BaseException:
-        (folder / f"rank{rank}.error").write_text(traceback.format_exc())
-        raise
+
+
+def measure_ranks(device: str, workers: int, cases: list) -> list[dict]:
+    """Each rank's measured bytes by case id (``rank_step``'s)."""
+    with tempfile.TemporaryDirectory(prefix="dl4py-sharded-memory-") as folder:
+        run_ranks(_rank, (folder, device, workers, cases), workers, RANKS_TIMEOUT_S)
+        return [json.loads(Path(folder, f"peaks{rank}.json").read_text()) for rank in range(workers)]
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def measured(request) -> dict:
+    """{"device", "ranks": each rank's ``rank_step`` by case id, "single": the plain model's
+    peak on rank 0's batch of the MLP}."""
+    device = request.param
+    plain = MultiLayerNetwork(MLP, backend=backend_for(device)).init()
+    single = step_peak(plain, *_batch(MLP, 64, seed=0))
+    del plain
+    return {"device": device, "ranks": measure_ranks(device, WORKERS, CASES), "single": single}
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory) -> list[dict]:
-    """Each rank's measured peaks; rank 0's also the plain model's on its batch ("single"),
-    measured here while the ranks start."""
-    from dl4py.memory import measure_training_step
-
-    folder = tmp_path_factory.mktemp("sharded")
-    context = multiprocessing.get_context("spawn")
-    ranks = [context.Process(target=_rank, args=(rank, str(folder))) for rank in range(WORKERS)]
-    for process in ranks:
-        process.start()
-    try:
-        config, batch = CASES["mlp"]
-        plain = MultiLayerNetwork(config, backend="cpu").init()
-        single = measure_training_step(plain, *_batch(config, batch, seed=0)).peak_bytes
-        del plain
-        for process in ranks:
-            process.join(120)
-    finally:
-        for process in ranks:
-            if process.is_alive():
-                process.kill()
-                process.join()
-    errors = [path.read_text() for path in sorted(folder.glob("rank*.error"))]
-    assert not errors, errors[0]
-    assert all(process.exitcode == 0 for process in ranks), [process.exitcode for process in ranks]
-    peaks = json.loads((folder / "peaks.json").read_text())
-    peaks[0]["single"] = single
-    return peaks
+def measured_on_the_gpu() -> dict:
+    """{workers: each rank's ``rank_step`` by case id} for GPU_CASES."""
+    return {workers: measure_ranks("cuda", workers, cases) for workers, cases in GPU_CASES.items()}
 
 
+@pytest.mark.slow
 def test_a_rank_of_two_holds_at_most_60_percent_of_the_single_process_peak(measured):
-    single = measured[0]["single"]
-    for rank, peaks in enumerate(measured):
-        assert peaks["mlp"] <= 0.60 * single, f"rank {rank}: {peaks['mlp']:,} of {single:,}"
+    single = measured["single"]
+    for rank, steps in enumerate(measured["ranks"]):
+        peak = steps["mlp-64"]["peak"]
+        assert peak <= 0.60 * single, f"rank {rank}: {peak:,} of {single:,}"
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_the_sharded_estimate_is_within_5_percent_of_the_measured_rank_peak(measured, name):
-    config, batch = CASES[name]
-    peak = max(peaks[name] for peaks in measured)  # the fullest rank (as a rule rank 0: most rows)
-    report = estimate(config, batch, device="cpu", parallelism="sharded", workers=WORKERS)
+def check_on_the_gpu(network: str, batch: int, workers: int, ranks: list[dict]) -> None:
+    """The fullest rank's measured peak within GPU_TOLERANCE of the estimate (docs/memory.md)."""
+    report = estimate(NETWORKS[network], batch, device="cuda", parallelism="sharded", workers=workers)
+    peak = max(steps[case_id(network, batch)]["peak"] for steps in ranks)
+    error = report.peak_bytes / peak - 1
+    assert abs(error) <= GPU_TOLERANCE, (f"estimated {report.peak_bytes:,} B, measured {peak:,} B ({error:+.2%}) "
+                                         f"at {report.peak_phase}")
+
+
+@pytest.mark.parametrize("network, batch", CASES, ids=[case_id(*case) for case in CASES])
+def test_the_sharded_estimate_is_the_fullest_ranks_measured_peak(measured, network, batch):
+    device = measured["device"]
+    report = estimate(NETWORKS[network], batch, device=device, parallelism="sharded", workers=WORKERS)
     assert report.parallelism == "sharded" and report.workers == WORKERS
-    assert abs(report.peak_bytes - peak) <= TOLERANCE * peak, (report.peak_bytes, peak, report.peak_phase)
+    if device == "cuda":
+        check_on_the_gpu(network, batch, WORKERS, measured["ranks"])
+        return
+    steps = [ranks[case_id(network, batch)] for ranks in measured["ranks"]]
+    # Rank 0 holds the most rows (torch.chunk rounds up): the estimate is its figure. Between
+    # steps, to the byte: its shards of the parameters, their gradients and updater state, and
+    # its batch (no collective is running then, so gloo's copy plays no part).
+    held = report.parameter_bytes + report.gradient_bytes + report.updater_bytes + report.input_bytes
+    assert steps[0]["resident"] == held, f"rank 0 held {steps[0]['resident']:,} B between steps, estimated {held:,}"
+    peaks = [step["peak"] for step in steps]
+    where = (report.peak_bytes, peaks, report.peak_phase)
+    over = [peak - report.peak_bytes for peak in peaks]
+    kept_copy = report.gathered_unit_bytes  # the largest reduce-scatter input gloo may hold on to
+    assert abs(over[0]) <= EXACT_BYTES or 0 < over[0] <= kept_copy, where
+    assert all(excess <= kept_copy for excess in over), where
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("workers, network, batch", [(w, *case) for w, cases in GPU_CASES.items() for case in cases],
+                         ids=[f"{w}-ranks-{case_id(*case)}" for w, cases in GPU_CASES.items() for case in cases])
+def test_the_sharded_estimate_holds_on_a_gpu_at_more_batch_sizes_and_ranks(measured_on_the_gpu, workers, network,
+                                                                            batch):
+    check_on_the_gpu(network, batch, workers, measured_on_the_gpu[workers])
 
 
 def test_the_sharded_estimate_splits_state_by_rank_and_gathers_row_blocks():

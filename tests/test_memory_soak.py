@@ -28,6 +28,7 @@ def assert_flat(trace, floor_mb: float) -> None:
     assert verdict.passed, verdict.line() + f"; samples: {[(s.label, s.rss >> 20) for s in trace.samples]}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_consecutive_fits_on_the_persistent_pool_keep_memory_flat():
     # Fits 3 to 6 on the same two workers: 4 x 4 MiB of data went through the pool.
@@ -36,12 +37,14 @@ def test_consecutive_fits_on_the_persistent_pool_keep_memory_flat():
     assert_flat(trace, floor_mb=8)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_the_epochs_of_one_fit_keep_memory_flat():
     # Epochs 3 to 6 of one fit: 4 x 4 MiB (a sample may come up to an epoch late).
     assert_flat(scenarios.long_fit(epochs=6, warmup=2), floor_mb=6)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_sweeps_runs_in_one_process_keep_memory_flat():
     # Runs 3 to 6, each its own CSV data (2 MiB of features), model (2.4 MB with its gradients)
@@ -49,6 +52,7 @@ def test_a_sweeps_runs_in_one_process_keep_memory_flat():
     assert_flat(scenarios.sweep_runs(runs=6, warmup=2), floor_mb=4)
 
 
+@pytest.mark.soak  # long for make test's budget: make soak runs it (DEVELOPERS.md)
 @pytest.mark.timeout(180)
 def test_dl4py_serve_keeps_memory_flat_under_load():
     # 600 to 2,000 requests after the warm-up on 2 busy cores: 4 MB is 7 to 2 kB a request.
@@ -59,6 +63,7 @@ def test_dl4py_serve_keeps_memory_flat_under_load():
     assert_flat(trace, floor_mb=4)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_parallel_inference_keeps_memory_flat_under_load():
     # ~3,000 requests or more after the warm-up: 4 MB is ~1,400 B a request.

@@ -341,6 +341,7 @@ print(json.dumps({"ui": ui, "report": mib("VmHWM") - start}), flush=True)
     (64 << 20, 150_000),
     pytest.param(150 << 20, 2_000_000, marks=pytest.mark.soak),  # issue 28's sizes: a 150 MB line, 200 MB in all
 ])
+@pytest.mark.slow
 def test_report_and_ui_memory_and_answers_stay_bounded(tmp_path, long_line, records):
     run = tmp_path / "run"
     run.mkdir()
@@ -392,6 +393,7 @@ SHOWN = """() => ({
   pwned: window.pwned || null})"""
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_pages_show_a_runs_strings_as_text_and_say_what_they_left_out(chromium, tmp_path):  # noqa: F811
     # About 25 MiB: the live page takes six polls of at most 2,000 points each, more than it

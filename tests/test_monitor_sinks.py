@@ -74,6 +74,7 @@ def event_accumulator(folder):
     return events
 
 
+@pytest.mark.slow
 def test_tensorboard_holds_loss_validation_learning_rate_and_update_ratios(run):
     events = event_accumulator(run["dir"] / "tensorboard")
     epochs = of_kind(run["records"], "epoch")  # the first run's epoch, then the resumed run's

@@ -200,6 +200,7 @@ class Page:
             (ROOT / "docs" / "images" / name).write_bytes(self.page.screenshot(full_page=True))
 
 
+@pytest.mark.slow
 def test_ui_overlays_the_runs_and_shows_a_running_training_grow_without_a_reload(runs, ui, browser):
     names = [p.name for p in runs["finished"]] + ["running"]
     with Page(browser, ui.url) as tab:

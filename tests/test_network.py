@@ -30,6 +30,7 @@ from dl4py.errors import DataError, TrainingError
 from dl4py.train import CheckpointListener, ScoreIterationListener, TrainingInterrupted, TrainingListener
 
 from conftest import SHARED_DATA  # noqa: F401  (sets DL4PY_DATA)
+from devices import backend_for, on_devices
 
 LENET_YAML = os.path.join(os.path.dirname(__file__), "..", "examples", "lenet_mnist.yaml")
 
@@ -126,21 +127,23 @@ def test_bad_labels_fail_before_training_with_a_clear_error():
     assert net.iteration_count == 0
 
 
-def test_nan_loss_stops_training_naming_the_precision():
-    net = MultiLayerNetwork(small_cnn())
+@on_devices
+def test_nan_loss_stops_training_naming_the_precision(device):
+    net = MultiLayerNetwork(small_cnn(), backend=backend_for(device))
     x = torch.rand(16, 784)
     x[3, 5] = float("nan")
     with pytest.raises(TrainingError, match=r"NaN or infinite .* precision 'float'"):
         net.fit((x, torch.zeros(16, dtype=torch.long)), epochs=1, batch_size=8)
 
 
+@on_devices
 @pytest.mark.parametrize("loss, activation, labels, accuracy", [
     ("mse", "identity", "rows", 0.8), ("xent", "sigmoid", "rows", 0.8), ("mcxent", "softmax", "index", 0.8),
     ("negativeloglikelihood", "softmax", "rows", 0.8), ("xent", "softmax", "index", 0.8),
     # NLL on sigmoid outputs only pushes the true class up: it learns, but less sharply.
     ("negativeloglikelihood", "sigmoid", "index", 0.6),
 ])
-def test_every_loss_trains(loss, activation, labels, accuracy):
+def test_every_loss_trains(loss, activation, labels, accuracy, device):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(256, 6, generator=gen)
     y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()  # 3 classes
@@ -149,7 +152,7 @@ def test_every_loss_trains(loss, activation, labels, accuracy):
         layers=[DenseLayer(n_out=16, activation="tanh"), OutputLayer(n_out=3, loss=loss, activation=activation)],
         input_type=InputType.feed_forward(6), updater=Nesterovs(learning_rate=0.05), seed=3,
     )
-    net = MultiLayerNetwork(config)
+    net = MultiLayerNetwork(config, backend=backend_for(device))
     before = net.score((x, targets))
     net.fit((x, targets), epochs=30, batch_size=32)
     assert net.score((x, targets)) < 0.6 * before

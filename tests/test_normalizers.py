@@ -122,6 +122,7 @@ def _toy(seed: int, n: int, offset: float, scale: float):
     return x * scale + offset, y
 
 
+@pytest.mark.slow
 def test_a_loaded_model_normalizes_raw_inputs_as_the_saved_one(tmp_path):
     x, y = _toy(0, 256, offset=500.0, scale=40.0)  # raw scale a network trains badly on
     net = MultiLayerNetwork(NetworkConfig.from_dict(NETWORK), backend="cpu")

@@ -1,4 +1,7 @@
-"""ParallelWrapper on CPU worker processes (gloo): exactness, coverage, accuracy, faults."""
+"""ParallelWrapper on CPU worker processes (gloo): exactness, coverage, accuracy, faults.
+
+The exactness and coverage tests run on a GPU too: there two workers share cuda:0 (gloo,
+as NCCL refuses two ranks on one device), against a reference on the same GPU."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from dl4py import (
     RunConfig,
     TorchModel,
 )
+from devices import backend_for, on_devices, tolerance
 from dl4py.errors import ConfigError, WorkerError
 from dl4py.parallel import ParallelWrapper
 
@@ -41,20 +45,27 @@ def mean_gradient_steps(module, loss, batches, workers, lr):
     return module
 
 
+def one_gpu(device: str) -> dict:
+    """The wrapper's devices: on a GPU both workers on cuda:0, whatever the machine has."""
+    return {"devices": ["cuda:0"]} if device == "cuda" else {}
+
+
+@on_devices
 @pytest.mark.parametrize("mode", ["averaging", "shared_gradients"])
-def test_matches_a_single_process_on_the_mean_gradient(mode):
+def test_matches_a_single_process_on_the_mean_gradient(mode, device):
     x, y = toy(88)  # 11 batches of 8: 5 full rounds and one with worker 0 alone
     data = ArrayDataSetIterator(x, y, batch_size=8, shuffle=False)
-    batches = [(x[i:i + 8], y[i:i + 8]) for i in range(0, 88, 8)]
-    reference = MultiLayerNetwork(mlp()).init()
+    batches = [(x[i:i + 8].to(device), y[i:i + 8].to(device)) for i in range(0, 88, 8)]
+    reference = MultiLayerNetwork(mlp(), backend=backend_for(device)).init()
     expected = mean_gradient_steps(reference.module, reference.loss, batches, workers=2, lr=0.1)
 
-    net = MultiLayerNetwork(mlp(), backend="cpu")
+    net = MultiLayerNetwork(mlp(), backend=backend_for(device))
     options = {"averaging_frequency": 1} if mode == "averaging" else {}
-    summaries = ParallelWrapper(net, workers=2, training_mode=mode, **options).fit(data, epochs=1)
+    summaries = ParallelWrapper(net, workers=2, training_mode=mode, **options, **one_gpu(device)).fit(data, epochs=1)
     assert summaries[0].batches == 11 and summaries[0].examples == 88
     for (name, a), b in zip(net.module.named_parameters(), expected.parameters()):
-        assert torch.allclose(a, b, atol=1e-5), name
+        assert a.device.type == device, name
+        assert torch.allclose(a.cpu(), b.cpu(), **tolerance(device, cpu=1e-5)), name
     assert net.epoch_count == 1 and net.iteration_count == 11
 
 
@@ -74,8 +85,9 @@ class PlainIterator:
             yield DataSet(self.x[i:i + self.batch_size], self.y[i:i + self.batch_size])
 
 
+@on_devices
 @pytest.mark.parametrize("kind", ["built-in", "user iterator"])
-def test_every_example_is_trained_exactly_once_per_epoch(kind):
+def test_every_example_is_trained_exactly_once_per_epoch(kind, device):
     n = 1000
     x, y = toy(n, seed=1)
     x[:, 0] = torch.arange(n, dtype=torch.float32)  # feature 0 names the example
@@ -83,7 +95,8 @@ def test_every_example_is_trained_exactly_once_per_epoch(kind):
         data = ArrayDataSetIterator(x, y, batch_size=64, shuffle=True, seed=5)  # 16 batches
     else:
         data = PlainIterator(x, y, batch_size=64)
-    wrapper = ParallelWrapper(MultiLayerNetwork(mlp(lr=0.001), backend="cpu"), workers=3, prefetch_buffer=2)
+    wrapper = ParallelWrapper(MultiLayerNetwork(mlp(lr=0.001), backend=backend_for(device)), workers=3, prefetch_buffer=2,
+                              **one_gpu(device))
     wrapper.fit(data, epochs=1, _record_examples=True)
     seen = [int(v) for records in wrapper.last_records.values() for v in records]
     counts = torch.bincount(torch.tensor(seen), minlength=n)
@@ -92,6 +105,7 @@ def test_every_example_is_trained_exactly_once_per_epoch(kind):
     assert [len(wrapper.last_records[r]) for r in range(3)] == [6 * 64 - 24, 5 * 64, 5 * 64]
 
 
+@pytest.mark.soak  # long for make test's budget: make soak runs it (DEVELOPERS.md)
 def test_lenet_two_workers_matches_single_worker_accuracy(mnist):
     """The seed's set-up (2 workers, averaging every 3 rounds), with the learning rate 20%
     higher for data-parallel training as DL4J's guide advises; same epochs as one worker."""
@@ -229,7 +243,8 @@ def _sgd_half(params):
     return torch.optim.SGD(params, lr=0.5)
 
 
-def test_plain_torch_module_replicas_are_private_copies():
+@on_devices
+def test_plain_torch_module_replicas_are_private_copies(device):
     # Spawn's pickler would share the parent's tensors with every worker (shared memory; CUDA
     # IPC on a GPU): replicas on one device would all step the same weights. Each must be its
     # own copy, so that two workers equal one process stepping on the mean gradient.
@@ -238,22 +253,26 @@ def test_plain_torch_module_replicas_are_private_copies():
     module = torch.nn.Linear(5, 3)
     reference = torch.nn.Linear(5, 3)
     reference.load_state_dict(module.state_dict())
-    batches = [(x[b:b + 16], y[b:b + 16]) for b in range(0, 64, 16)]  # a round: two batches, one per worker
+    reference.to(device)
+    # A round: two batches, one per worker.
+    batches = [(x[b:b + 16].to(device), y[b:b + 16].to(device)) for b in range(0, 64, 16)]
     mean_gradient_steps(reference, _cross_entropy, batches, workers=2, lr=0.5)
-    model = TorchModel(module, loss=_cross_entropy, optimizer=_sgd_half, backend="cpu")
-    ParallelWrapper(model, workers=2, training_mode="shared_gradients").fit(
+    model = TorchModel(module, loss=_cross_entropy, optimizer=_sgd_half, backend=backend_for(device))
+    ParallelWrapper(model, workers=2, training_mode="shared_gradients", **one_gpu(device)).fit(
         ArrayDataSetIterator(x, y, batch_size=16, shuffle=False), epochs=1)
     for a, b in zip(model.module.parameters(), reference.parameters()):
-        assert torch.allclose(a, b, atol=1e-6)
+        assert a.device.type == device
+        assert torch.allclose(a.cpu(), b.cpu(), **(tolerance(device) if device == "cuda" else {"atol": 1e-6}))
 
 
-def test_plain_torch_module_trains_in_parallel():
+@on_devices
+def test_plain_torch_module_trains_in_parallel(device):
     x, y = toy(512)
     torch.manual_seed(0)  # the module's initial weights: the same whatever ran before
     module = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
-    model = TorchModel(module, loss=_cross_entropy, optimizer=_sgd, backend="cpu")
+    model = TorchModel(module, loss=_cross_entropy, optimizer=_sgd, backend=backend_for(device))
     before = model.score((x, y))
-    ParallelWrapper(model, workers=2).fit(ArrayDataSetIterator(x, y, batch_size=32), epochs=3)
+    ParallelWrapper(model, workers=2, **one_gpu(device)).fit(ArrayDataSetIterator(x, y, batch_size=32), epochs=3)
     assert model.score((x, y)) < 0.8 * before
     lambda_model = TorchModel(torch.nn.Linear(5, 3), loss=_cross_entropy, optimizer=lambda p: _sgd(p))
     with pytest.raises(ConfigError, match="must be picklable"):
@@ -271,6 +290,7 @@ def _session_workers(sid: int) -> list[int]:
         b"spawn_main" in cmdline or (b"multiprocessing.forkserver" in cmdline and int(fields[1]) != sid))]
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_every_worker():
     import subprocess
     import sys

@@ -227,6 +227,7 @@ RUN_FILES = {"config.yaml", "environment.json", "metrics.jsonl", "checkpoint.dl4
              "evaluation.txt", "result.json"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("early_stopping", [False, True], ids=["plain", "early-stopping"])
 def test_dl4py_train_with_workers_writes_its_run_directory_from_the_coordinator_only(tmp_path, mnist, early_stopping):
     hooks, out, writes = tmp_path / "hooks", tmp_path / "run", tmp_path / "writes.txt"

@@ -1,15 +1,20 @@
 """ParallelInference (DL4J's): many threads get model.output's answers, in every mode; the
-batched mode merges requests; a malformed request fails alone; a full queue and close()
-answer instead of hanging."""
+batched mode merges queued requests up to batch_limit examples and hands each caller its own
+rows; a malformed request fails alone; a full queue and close() answer instead of hanging.
+
+What is queued when a replica takes its next batch is decided with a gate in front of the
+replica's network (``gates.py``), never by how the threads happen to be scheduled."""
 
 from __future__ import annotations
 
 import threading
-import time
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
 import torch
+from devices import backend_for, on_devices, tolerance
+from gates import Gate, GatedModule, wait_for
 
 from dl4py import (
     ConfigError,
@@ -20,19 +25,43 @@ from dl4py import (
     ParallelInference,
 )
 
-REQUESTS, THREADS = 2000, 16
+REQUESTS, THREADS = 1024, 16
 
 
 @pytest.fixture(scope="module")
-def trained():
-    """An MLP trained one epoch on 512 MNIST images, with a standardizing normalizer, and
-    2,000 test images with ``model.output``'s answer for each, asked one example at a time."""
+def trained_on():
+    """``trained_on(device)``: an MLP trained one epoch on 512 MNIST images (standardizing
+    normalizer), on ``device``'s backend, ``REQUESTS`` test images and ``model.output``'s answer
+    to each, asked one example at a time and kept on the CPU: (model, x, expected)."""
+    made = {}
+
+    def get(device):
+        if device not in made:
+            made[device] = _trained(get("cpu")[0] if device != "cpu" else None, device)
+        return made[device]
+
+    return get
+
+
+def _trained(cpu_model, device):
     from toy import trained_mnist_mlp
 
-    model = trained_mnist_mlp(examples=512, batch=64)
+    if cpu_model is None:
+        model = trained_mnist_mlp(examples=512, batch=64)
+    else:  # the CPU model's weights and normalizer on the device's backend
+        model = MultiLayerNetwork(cpu_model.config, backend=backend_for(device)).init()
+        model.module.load_state_dict(cpu_model.module.state_dict())
+        model.set_normalizer(cpu_model.normalizer)
     x = MnistDataSetIterator(REQUESTS, train=False, shuffle=False, limit=REQUESTS).features
-    expected = torch.cat([model.output(x[i:i + 1]) for i in range(REQUESTS)])
+    expected = torch.cat([model.output(x[i:i + 1]).cpu() for i in range(REQUESTS)])
     return model, x, expected
+
+
+def assert_answers(answer, expected, device):
+    """``answer`` (on any device) is ``expected``: one example's answer differs from a merged
+    batch's row only in float32 summation order."""
+    assert isinstance(answer, torch.Tensor), answer
+    torch.testing.assert_close(answer.cpu(), expected, **tolerance(device, cpu=1e-6))
 
 
 def _ask_from_threads(inference, x, threads=THREADS):
@@ -49,139 +78,196 @@ def _ask_from_threads(inference, x, threads=THREADS):
     workers = [threading.Thread(target=client, args=(t,)) for t in range(threads)]
     for worker in workers:
         worker.start()
-    for worker in workers:
-        worker.join(60)
-    assert not any(w.is_alive() for w in workers), "a client thread hung"
+    _join(workers)
     assert not errors, errors
     return answers
 
 
+@on_devices
 @pytest.mark.parametrize("mode", ["batched", "sequential", "inplace"])
-def test_sixteen_threads_get_model_outputs_answers_in_every_mode(trained, mode):
-    model, x, expected = trained
+def test_sixteen_threads_get_model_outputs_answers_in_every_mode(trained_on, device, mode):
+    model, x, expected = trained_on(device)
     with ParallelInference(model, workers=2, inference_mode=mode, batch_limit=32) as inference:
         answers = _ask_from_threads(inference, x)
         stats = inference.stats()
-    assert all(a.shape == (1, 10) and a.dtype == expected.dtype for a in answers)
-    assert (torch.cat(answers) - expected).abs().max().item() <= 1e-6
+    assert all(a.shape == (1, 10) and a.dtype == expected.dtype and a.device.type == model.device.type for a in answers)
+    assert_answers(torch.cat(answers), expected, device)
     assert stats["requests"] == REQUESTS and stats["examples"] == REQUESTS and stats["failed"] == 0
-    if mode == "batched":
-        assert stats["max_batch_size"] > 1 and stats["mean_batch_size"] > 1, stats  # it merged
-        assert stats["max_batch_size"] <= 32
+    if mode == "batched":  # how much merged depends on the threads' timing: only the bound is sure here
+        assert stats["max_batch_size"] <= 32, stats
     else:
         assert stats["batch_sizes"] == {1: REQUESTS}  # one request per forward pass
 
 
-def _wait_until(condition, seconds=10.0):
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.005)
+@contextmanager
+def gated_replica(inference):
+    """Replica 0's network behind a closed gate: the forward pass it starts next waits there,
+    and the requests sent meanwhile stay queued. Opened at the end, even by a failing test."""
+    replica = inference.replicas[0]
+    gated = GatedModule(replica.module, Gate(open=False))
+    replica.module = gated
+    try:
+        yield gated
+    finally:
+        gated.gate.open()
 
 
-def _occupy(inference, features):
-    """Make the only replica busy: hold its lock and hand its thread one request, which it
-    then waits with. Later requests stay queued until the lock is released."""
-    from dl4py.inference.requests import Request
-
-    inference.replicas[0].lock.acquire()
-    request = Request(features)
-    inference._queue.put(request, None)
-    _wait_until(lambda: len(inference._queue) == 0)  # taken: the thread now waits for the lock
-    return request
-
-
-def _start_clients(inference, requests):
-    """One thread per request; returns the threads and {index: answer or error}."""
-    results = {}
-
-    def client(i, features):
+def _client(inference, features, results, key) -> threading.Thread:
+    """A started thread that puts ``inference.output(features)`` (or its error) in ``results[key]``."""
+    def ask():
         try:
-            results[i] = inference.output(features)
-        except BaseException as error:  # noqa: BLE001
-            results[i] = error
+            results[key] = inference.output(features)
+        except BaseException as error:  # noqa: BLE001 - the test looks at it
+            results[key] = error
 
-    threads = [threading.Thread(target=client, args=(i, f)) for i, f in enumerate(requests)]
+    thread = threading.Thread(target=ask)
+    thread.start()
+    return thread
+
+
+def _queue_in_order(inference, requests, results, first=0) -> list[threading.Thread]:
+    """One client per request (``results`` keys ``first``, ``first + 1``, ...), each started
+    once the one before it is queued, so the queue holds them in this order behind the
+    ``first`` queued already. Call with the replica held at its gate."""
+    threads = []
+    for key, features in enumerate(requests, start=first):
+        threads.append(_client(inference, features, results, key))
+        wait_for(lambda: len(inference._queue) == key + 1, f"request {key} queued")  # noqa: B023 - called at once
+    return threads
+
+
+def _join(threads):
     for thread in threads:
-        thread.start()
-    return threads, results
+        thread.join(60)
+    assert not any(t.is_alive() for t in threads), "a client thread hung"
 
 
-def test_a_malformed_request_fails_alone_and_the_batch_it_met_is_answered(trained):
-    model, x, expected = trained
-    good = [x[i:i + 2] for i in range(0, 14, 2)]  # 7 requests of 2 examples
-    requests = good[:3] + [np.zeros((1, 783), dtype=np.float32)] + good[3:]
-    with ParallelInference(model, workers=1, batch_limit=64) as inference:
-        blocker = _occupy(inference, x[100:101])
-        threads, results = _start_clients(inference, requests)
-        _wait_until(lambda: len(inference._queue) == 7)  # the malformed one never got in
-        inference.replicas[0].lock.release()
-        for thread in threads:
-            thread.join(10)
+# Rows of each request, in queue order. With batch_limit=6, a replica takes the oldest request
+# and those behind it while their rows still fit: a request that would cross the limit waits
+# for the next forward pass (requests are never split), one larger than the limit runs alone.
+SIZES = [1, 3, 2, 4, 3, 5, 1, 7, 2]
+PASSES = [6, 4, 3, 6, 7, 2]
+
+
+@on_devices
+def test_batched_merges_up_to_exactly_batch_limit_and_each_caller_gets_its_own_rows(trained_on, device):
+    model, x, expected = trained_on(device)
+    starts = np.cumsum([0, *SIZES]).tolist()
+    requests = [x[start:start + size] for start, size in zip(starts, SIZES)]  # distinct images: a swap shows
+    results = {}
+    with ParallelInference(model, workers=1, batch_limit=6) as inference, gated_replica(inference) as gated:
+        blocker = _client(inference, x[100:101], results, "blocker")
+        gated.gate.wait_for_arrivals(1)  # the replica runs the blocker; everything after it queues
+        threads = _queue_in_order(inference, requests, results)
+        gated.gate.open()
+        _join([blocker, *threads])
         stats = inference.stats()
-    assert (blocker.future.result(0) - expected[100:101]).abs().max() <= 1e-6
-    bad = results[3]
-    assert isinstance(bad, DataError) and "[1, 783]" in str(bad) and "[n, 784]" in str(bad), bad
-    answers = [results[i] for i in range(len(requests)) if i != 3]
-    assert all(isinstance(a, torch.Tensor) for a in answers), answers
-    assert (torch.cat(answers) - expected[:14]).abs().max().item() <= 1e-6
+    assert gated.batches == [1, *PASSES]
+    assert stats["batch_sizes"] == {1: 1, 2: 1, 3: 1, 4: 1, 6: 2, 7: 1} and stats["requests"] == 1 + len(SIZES)
+    assert_answers(results["blocker"], expected[100:101], device)
+    for i, (start, size) in enumerate(zip(starts, SIZES)):
+        assert results[i].shape == (size, 10), (i, results[i])
+        assert_answers(results[i], expected[start:start + size], device)
+
+
+@on_devices
+def test_a_malformed_request_fails_alone_and_the_batch_it_met_is_answered(trained_on, device):
+    model, x, expected = trained_on(device)
+    good = [x[i:i + 2] for i in range(0, 14, 2)]  # 7 requests of 2 examples
+    results = {}
+    with ParallelInference(model, workers=1, batch_limit=64) as inference, gated_replica(inference) as gated:
+        blocker = _client(inference, x[100:101], results, "blocker")
+        gated.gate.wait_for_arrivals(1)
+        threads = _queue_in_order(inference, good[:3], results)
+        bad = _client(inference, np.zeros((1, 783), dtype=np.float32), results, "bad")
+        bad.join(60)
+        assert len(inference._queue) == 3  # refused in its own thread: it never joined the queue
+        threads += _queue_in_order(inference, good[3:], results, first=3)
+        gated.gate.open()
+        _join([blocker, *threads])
+        stats = inference.stats()
+    assert_answers(results["blocker"], expected[100:101], device)
+    error = results["bad"]
+    assert isinstance(error, DataError) and "[1, 783]" in str(error) and "[n, 784]" in str(error), error
+    assert_answers(torch.cat([results[i] for i in range(7)]), expected[:14], device)
     assert stats["requests"] == 8 and stats["batch_sizes"] == {1: 1, 14: 1} and stats["failed"] == 0  # merged
 
 
-def test_a_full_queue_raises_at_once_or_after_its_timeout_then_serves_on(trained):
-    model, x, expected = trained
+@on_devices
+def test_a_full_queue_raises_at_once_or_after_its_timeout_then_serves_on(trained_on, device):
+    model, x, expected = trained_on(device)
+    results = {}
     with ParallelInference(model, workers=1, inference_mode="sequential", queue_limit=2,
-                           queue_timeout=0) as inference:
-        blocker = _occupy(inference, x[:1])
-        threads, results = _start_clients(inference, [x[i:i + 1] for i in range(1, 3)])
-        _wait_until(lambda: len(inference._queue) == 2)
+                           queue_timeout=0) as inference, gated_replica(inference) as gated:
+        blocker = _client(inference, x[:1], results, "blocker")
+        gated.gate.wait_for_arrivals(1)
+        threads = _queue_in_order(inference, [x[1:2], x[2:3]], results)  # the queue is full
         with pytest.raises(InferenceError, match="queue is full.*queue_limit=2"):
             inference.output(x[:1])
         inference.queue_timeout = 0.05
         with pytest.raises(InferenceError, match="queue_timeout=0.05"):
             inference.output(x[:1])
-        inference.replicas[0].lock.release()
-        for thread in threads:
-            thread.join(10)
-        answers = [blocker.future.result(30), results[0], results[1]]  # examples 0, 1, 2
-        assert all((answers[i] - expected[i:i + 1]).abs().max() <= 1e-6 for i in range(3)), answers
-        assert (inference.output(x[5:6]) - expected[5:6]).abs().max() <= 1e-6  # serves on
+        gated.gate.open()
+        _join([blocker, *threads])
+        answers = [results["blocker"], results[0], results[1]]  # examples 0, 1, 2
+        for i in range(3):
+            assert_answers(answers[i], expected[i:i + 1], device)
+        assert_answers(inference.output(x[5:6]), expected[5:6], device)  # serves on
 
 
-def test_close_fails_pending_requests_instead_of_hanging(trained):
-    model, x, expected = trained
+@on_devices
+def test_close_fails_pending_requests_instead_of_hanging(trained_on, device):
+    model, x, expected = trained_on(device)
     inference = ParallelInference(model, workers=1, inference_mode="sequential")
-    blocker = _occupy(inference, x[:1])
-    threads, results = _start_clients(inference, [x[i:i + 1] for i in range(1, 5)])
-    _wait_until(lambda: len(inference._queue) == 4)
-    closer = threading.Thread(target=inference.close)
-    closer.start()
-    _wait_until(lambda: len(inference._queue) == 0)
-    inference.replicas[0].lock.release()  # the request under way finishes; close() then returns
-    closer.join(10)
-    for thread in threads:
-        thread.join(10)
-    assert not closer.is_alive() and not any(t.is_alive() for t in threads)
-    assert all(isinstance(r, InferenceError) and "closed" in str(r) for r in results.values()), results
-    assert len(results) == 4
-    assert (blocker.future.result(0) - expected[:1]).abs().max() <= 1e-6  # the one under way is answered
+    results = {}
+    with gated_replica(inference) as gated:
+        blocker = _client(inference, x[:1], results, "blocker")
+        gated.gate.wait_for_arrivals(1)
+        threads = _queue_in_order(inference, [x[i:i + 1] for i in range(1, 5)], results)
+        closer = threading.Thread(target=inference.close)
+        closer.start()
+        wait_for(lambda: len(inference._queue) == 0, "close() emptied the queue")
+        _join(threads)  # answered with an error while the forward pass under way still waits
+        assert closer.is_alive()  # close() waits for the forward pass under way
+    _join([closer, blocker])  # the gate opened: the pass under way finishes, close() returns
+    assert all(isinstance(results[i], InferenceError) and "closed" in str(results[i]) for i in range(4)), results
+    assert_answers(results["blocker"], expected[:1], device)  # the one under way is answered
     assert not any(t.is_alive() for t in inference._threads)  # the replica threads ended
     inference.close()  # idempotent
     with pytest.raises(InferenceError, match="closed"):
         inference.output(x[:1])
 
 
-def test_replicas_keep_the_models_precision(trained):
-    model, x, _ = trained
-    half = MultiLayerNetwork(model.config, backend="cpu", precision="bfloat16").init()
+@on_devices
+def test_replicas_keep_the_models_precision(trained_on, device):
+    model, x, _ = trained_on(device)
+    half = MultiLayerNetwork(model.config, backend=backend_for(device), precision="bfloat16").init()
     half.set_normalizer(model.normalizer)
     with ParallelInference(half, workers=2, inference_mode="inplace") as inference:
         answers = [inference.output(x[i:i + 1]) for i in range(20)]
     expected = [half.output(x[i:i + 1]) for i in range(20)]
-    assert all(a.dtype == torch.bfloat16 and torch.equal(a, e) for a, e in zip(answers, expected))
+    assert all(a.dtype == torch.bfloat16 for a in answers)
+    # One example through the same kernels as output(): the same bits on the CPU; a GPU may pick
+    # another kernel for a copy of the weights, a bfloat16 step or two apart.
+    close = tolerance(device) if device == "cpu" else {"rtol": 1e-2, "atol": 1e-2}
+    for answer, wanted in zip(answers, expected):
+        torch.testing.assert_close(answer.cpu(), wanted.cpu(), **close)
 
 
-def test_bad_options_name_themselves(trained):
-    model = trained[0]
+@pytest.mark.gpu
+def test_replicas_spread_over_the_cpu_and_a_gpu_answer_on_the_models_device(trained_on):
+    model, x, expected = trained_on("cpu")
+    with ParallelInference(model, workers=2, devices=["cpu", "cuda:0"], batch_limit=8) as inference:
+        assert [r.device.type for r in inference.replicas] == ["cpu", "cuda"]
+        answers = _ask_from_threads(inference, x[:256], threads=8)
+        stats = inference.stats()
+    assert all(a.device == model.device for a in answers)  # where model.output puts them
+    assert_answers(torch.cat(answers), expected[:256], "cuda")
+    assert stats["requests"] == 256 and stats["max_batch_size"] <= 8
+
+
+def test_bad_options_name_themselves(trained_on):
+    model = trained_on("cpu")[0]
     for options, key in ((dict(inference_mode="fast"), "inference_mode"), (dict(workers=0), "workers"),
                          (dict(batch_limit=0), "batch_limit"), (dict(queue_timeout=-1), "queue_timeout"),
                          (dict(workers=1, devices=["cpu", "cpu"]), "workers")):

@@ -81,6 +81,7 @@ def test_fit_at_the_top_level_of_a_script_says_what_to_add_before_starting_worke
     assert "exited with code" not in proc.stderr and "bootstrapping phase" not in proc.stderr  # no worker started
 
 
+@pytest.mark.slow
 def test_a_worker_that_reaches_fit_while_importing_the_script_is_named_as_the_cause(tmp_path):
     # A compiled script has no source to read, so the check before spawning cannot see the
     # missing guard: the workers find it, each while importing the script, and say so.
@@ -99,6 +100,7 @@ def test_a_worker_that_reaches_fit_while_importing_the_script_is_named_as_the_ca
     assert "bootstrapping phase" not in proc.stderr  # multiprocessing's riddle is not what the user reads
 
 
+@pytest.mark.slow
 def test_a_guarded_script_trains_and_its_unclosed_workers_end_with_it(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(GUARDED)

@@ -7,7 +7,8 @@ module and of the optimizer per worker, and after every ``k`` rounds and at the 
 each epoch replaces the parameters and the updater state (Nesterov's momentum buffers,
 Adam's moments and step count) by their mean over the workers that trained since the
 last average. With momentum or Adam the updater state matters: a wrapper that averaged
-the parameters only would drift from it.
+the parameters only would drift from it. On a GPU the two workers share cuda:0 (gloo) and the
+replicas step there too.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dl4py import (
     NetworkConfig,
     OutputLayer,
 )
+from devices import backend_for, on_devices, tolerance
 from dl4py.parallel import ParallelWrapper
 
 from toy import toy  # noqa: E402
@@ -65,7 +67,15 @@ def _average(replicas, took_part: list[bool]) -> None:
 
 
 def _gap(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.detach() - b.detach()).abs().max().item()
+    return (a.detach().cpu() - b.detach().cpu()).abs().max().item()
+
+
+def _agree(got: torch.Tensor, want: torch.Tensor, device: str) -> bool:
+    """Equal to the bit on a 2-core CPU; 1e-6 leaves room for rounding that differs with the
+    number of threads (the workers run one each). On a GPU the tolerance of two float32 runs."""
+    if device == "cpu":
+        return _gap(got, want) <= 1e-6
+    return torch.allclose(got.detach().cpu(), want.detach().cpu(), **tolerance(device))
 
 
 def _reference(net: MultiLayerNetwork, data: ArrayDataSetIterator, frequency: int):
@@ -88,7 +98,8 @@ def _reference(net: MultiLayerNetwork, data: ArrayDataSetIterator, frequency: in
                     continue
                 rows = order[b * BATCH:(b + 1) * BATCH]
                 optimizer.zero_grad(set_to_none=True)
-                net.loss(module(data.features[rows]), data.labels[rows]).backward()
+                features, labels = data.features[rows].to(net.device), data.labels[rows].to(net.device)
+                net.loss(module(features), labels).backward()
                 optimizer.step()
                 took_part[worker] = True
             if (r + 1) % frequency == 0 or r == rounds - 1:
@@ -97,26 +108,26 @@ def _reference(net: MultiLayerNetwork, data: ArrayDataSetIterator, frequency: in
     return replicas[0]
 
 
+@on_devices
 @pytest.mark.parametrize("frequency", [1, 3])  # 3: averages after rounds 3 and 5, 5 not a multiple of 3
 @pytest.mark.parametrize("updater", [Nesterovs(learning_rate=0.05, momentum=0.9), Adam(learning_rate=0.01)],
                          ids=["nesterovs", "adam"])
-def test_averaging_matches_replicas_stepped_by_hand(updater, frequency):
+def test_averaging_matches_replicas_stepped_by_hand(updater, frequency, device):
     x, y = toy(EXAMPLES, seed=2)
     data = ArrayDataSetIterator(x, y, batch_size=BATCH, shuffle=True, seed=3)
-    net = MultiLayerNetwork(_network(updater), backend="cpu").init()
+    net = MultiLayerNetwork(_network(updater), backend=backend_for(device)).init()
     module, optimizer = _reference(net, data, frequency)
 
-    ParallelWrapper(net, workers=WORKERS, averaging_frequency=frequency).fit(data, epochs=EPOCHS)
+    devices = {"devices": ["cuda:0"]} if device == "cuda" else {}  # two workers on one GPU
+    ParallelWrapper(net, workers=WORKERS, averaging_frequency=frequency, **devices).fit(data, epochs=EPOCHS)
 
     assert net.iteration_count == EPOCHS * len(data)
-    # Equal to the bit on a 2-core CPU; 1e-6 leaves room for rounding that differs with the
-    # number of threads (the workers run one each).
     for (name, got), want in zip(net.module.named_parameters(), module.parameters()):
-        assert _gap(got, want) <= 1e-6, (name, _gap(got, want))
+        assert got.device.type == device and _agree(got, want, device), (name, _gap(got, want))
     # The model keeps the averaged updater state too.
     keys = {"momentum_buffer"} if isinstance(updater, Nesterovs) else {"exp_avg", "exp_avg_sq", "step"}
     for got_param, want_param in zip(net.module.parameters(), module.parameters()):
         got, want = net.optimizer.state[got_param], optimizer.state[want_param]
         assert set(got) == set(want) == keys
         for key in keys:
-            assert _gap(got[key], want[key]) <= 1e-6, (key, _gap(got[key], want[key]))
+            assert _agree(got[key], want[key], device), (key, _gap(got[key], want[key]))

@@ -1,4 +1,8 @@
-"""Precision as one setting: float, double, half, bfloat16, mixed-fp16, mixed-bf16."""
+"""Precision as one setting: float, double, half, bfloat16, mixed-fp16, mixed-bf16.
+
+The policies' mechanics (dtypes, master weights, loss scaling and its skipped steps, the NaN
+error) are checked on every device: on CUDA, float16 and bfloat16 really run in 16 bits.
+16-bit convolutions on CPUs are in test_precision_convolution.py."""
 
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ from dl4py import (
 from dl4py.config import OneCycleSchedule, PolySchedule, StepSchedule
 from dl4py.errors import TrainingError
 
+from devices import backend_for, on_devices, tolerance
+
 ROOT = Path(__file__).resolve().parents[1]
 LENET = RunConfig.from_file(ROOT / "examples" / "lenet_mnist.yaml").network
 
@@ -40,12 +46,19 @@ def mlp(**kw) -> NetworkConfig:
     return NetworkConfig(**settings)
 
 
+def needs(device: str, precision: str) -> None:
+    """Skip a bfloat16 policy on a GPU before Ampere, which dl4py refuses (tested below)."""
+    if device == "cuda" and "bf" in precision and torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("bfloat16 needs a GPU of compute capability 8.0 or later")
+
+
 def toy_data(n=256):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(n, 6, generator=gen)
     return x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
 
 
+@pytest.mark.soak  # long for make test's budget: make soak runs it (DEVELOPERS.md)
 def test_lenet_bfloat16_and_mixed_bf16_match_float_accuracy(mnist):
     """The seed LeNet on an MNIST slice: 16-bit training within 0.5% of float."""
     train = MnistDataSetIterator(128, train=True, seed=12345, limit=12_000)
@@ -60,6 +73,7 @@ def test_lenet_bfloat16_and_mixed_bf16_match_float_accuracy(mnist):
         assert abs(accuracy[precision] - accuracy["float"]) <= 0.005, accuracy
 
 
+@pytest.mark.slow
 def test_lenet_trains_in_double_along_the_float_path(mnist):
     train = MnistDataSetIterator(128, train=True, seed=12345, limit=6144)
     probe = MnistDataSetIterator(1024, train=False, shuffle=False, limit=1024)
@@ -74,37 +88,47 @@ def test_lenet_trains_in_double_along_the_float_path(mnist):
     assert scores["double"] == pytest.approx(scores["float"], rel=1e-2)
 
 
+@on_devices
 @pytest.mark.parametrize("precision, dtype, ratio", [
     ("float", torch.float32, 1.0), ("double", torch.float64, 2.0), ("half", torch.float16, 0.5),
     ("bfloat16", torch.bfloat16, 0.5), ("mixed-bf16", torch.float32, 1.0), ("mixed-fp16", torch.float32, 1.0),
 ])
-def test_parameter_memory_follows_the_precision(precision, dtype, ratio, caplog):
-    float_bytes = param_bytes(MultiLayerNetwork(LENET, precision="float").init())
-    net = MultiLayerNetwork(LENET, precision=precision).init()
+def test_parameter_memory_follows_the_precision(precision, dtype, ratio, device):
+    needs(device, precision)
+    float_bytes = param_bytes(MultiLayerNetwork(LENET, backend=backend_for(device), precision="float").init())
+    net = MultiLayerNetwork(LENET, backend=backend_for(device), precision=precision).init()
     assert {p.dtype for p in net.module.parameters()} == {dtype}
+    assert {p.device.type for p in net.module.parameters()} == {device}
     assert param_bytes(net) == ratio * float_bytes == ratio * 431_080 * 4
     if net.master is not None:  # the float32 masters are the updater's, 4 bytes per parameter
         assert sum(p.numel() * p.element_size() for p in net.master.master_module.parameters()) == float_bytes
 
 
-def test_activations_run_in_the_chosen_precision():
-    x = torch.rand(4, 784)
-    assert MultiLayerNetwork(LENET, precision="bfloat16").output(x).dtype == torch.bfloat16
-    assert MultiLayerNetwork(LENET, precision="double").output(x).dtype == torch.float64
+@on_devices
+def test_activations_run_in_the_chosen_precision(device):
+    needs(device, "bfloat16")
+    x, backend = torch.rand(4, 784), backend_for(device)
+    assert MultiLayerNetwork(LENET, backend=backend, precision="bfloat16").output(x).dtype == torch.bfloat16
+    assert MultiLayerNetwork(LENET, backend=backend, precision="double").output(x).dtype == torch.float64
+    assert MultiLayerNetwork(LENET, backend=backend, precision="half").output(x).dtype == torch.float16
     with torch.no_grad():
-        net = MultiLayerNetwork(LENET, precision="mixed-bf16").init()
-        with net.precision.forward_context(net.device):
-            assert net.module(x).dtype == torch.bfloat16  # autocast computes in bf16
+        for precision, dtype in (("mixed-bf16", torch.bfloat16), ("mixed-fp16", torch.float16)):
+            net = MultiLayerNetwork(LENET, backend=backend, precision=precision).init()
+            with net.precision.forward_context(net.device):
+                assert net.module(x.to(device)).dtype == dtype  # autocast computes in 16 bits
     assert next(net.module.parameters()).dtype == torch.float32
 
 
-def test_master_weights_keep_updates_too_small_for_16_bits():
+@on_devices
+def test_master_weights_keep_updates_too_small_for_16_bits(device):
     """lr * grad = 1e-4 on a weight of 1.0: below bfloat16's spacing there (2**-7), so plain
     bf16 updates would leave the weight at exactly 1.0 forever."""
+    needs(device, "bfloat16")
+
     def model():
         module = torch.nn.Linear(1, 1, bias=False)
         torch.nn.init.ones_(module.weight)
-        return TorchModel(module, loss=lambda out, _: out.mean(),
+        return TorchModel(module, loss=lambda out, _: out.mean(), backend=backend_for(device),
                           optimizer=lambda p: torch.optim.SGD(p, lr=1e-4), precision="bfloat16")
 
     net = model()
@@ -115,32 +139,36 @@ def test_master_weights_keep_updates_too_small_for_16_bits():
     assert net.module.weight.dtype == torch.bfloat16
     assert net.module.weight.item() == torch.tensor(master).to(torch.bfloat16).item() != 1.0
 
-    plain = torch.ones(1, dtype=torch.bfloat16)
+    plain = torch.ones(1, dtype=torch.bfloat16, device=device)
     for _ in range(100):
         plain -= 1e-4
     assert plain.item() == 1.0  # what happens without master weights
 
 
-def test_half_with_loss_scaling_trains_on_cpu(caplog, monkeypatch):
+@on_devices
+def test_half_with_loss_scaling_trains(caplog, monkeypatch, device):
     import dl4py.nn.model
 
     monkeypatch.setattr(dl4py.nn.model, "_warned", set())  # the warning is once per process
     x, y = toy_data()
     with caplog.at_level(logging.WARNING, logger="dl4py"):
-        net = MultiLayerNetwork(mlp(), precision="half")
+        net = MultiLayerNetwork(mlp(), backend=backend_for(device), precision="half")
         before = net.score((x, y))
         net.fit((x, y), epochs=10, batch_size=32)
     assert net.scaler is not None and net.master is not None
     assert net.score((x, y)) < 0.7 * before
-    assert "no fast float16 kernels" in caplog.text  # says fp16 is slow on CPUs, once
+    assert next(net.module.parameters()).dtype == torch.float16
+    # says fp16 is slow on CPUs, once; a GPU has the kernels
+    assert ("no fast float16 kernels" in caplog.text) == (device == "cpu"), caplog.text
 
 
-def test_skipped_fp16_steps_do_not_advance_the_schedule():
+@on_devices
+def test_skipped_fp16_steps_do_not_advance_the_schedule(device):
     x, y = toy_data(64)
     config = mlp(updater=Nesterovs(learning_rate=0.1, schedule=StepSchedule(decay_rate=0.5, step=1)))
-    net = MultiLayerNetwork(config, precision="mixed-fp16").init()
+    net = MultiLayerNetwork(config, backend=backend_for(device), precision="mixed-fp16").init()
     # A scale this large overflows fp16 gradients: GradScaler skips and halves it each step.
-    net.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**60)
+    net.scaler = torch.amp.GradScaler(device, init_scale=2.0**60)
     weights = [p.detach().clone() for p in net.module.parameters()]
     net.fit((x, y), epochs=5, batch_size=16)  # 20 minibatches, all overflowing
     assert net.iteration_count == 20 and net.update_count == 0
@@ -148,56 +176,63 @@ def test_skipped_fp16_steps_do_not_advance_the_schedule():
     assert net.optimizer.param_groups[0]["lr"] == 0.1  # the schedule stayed at step 0
     assert net.scaler.get_scale() == 2.0**40
 
-    net.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)  # sane scale: updates apply
+    net.scaler = torch.amp.GradScaler(device, init_scale=2.0**8)  # sane scale: updates apply
     net._train_step = None
     net.fit((x, y), epochs=1, batch_size=16)
     assert net.update_count == 4
     assert net.optimizer.param_groups[0]["lr"] == 0.1 * 0.5**3  # set before the 4th update
 
 
+@on_devices
 @pytest.mark.parametrize("precision", ["half", "mixed-fp16"])
-def test_without_a_schedule_applied_updates_are_counted_without_waiting(precision, caplog):
+def test_without_a_schedule_applied_updates_are_counted_without_waiting(precision, device):
     # No schedule needs the count at each step, so the step adds it up on the device and
     # update_count reads it when asked: skipped steps still do not count, nor move a weight.
     x, y = toy_data(64)
-    net = MultiLayerNetwork(mlp(updater=Nesterovs(learning_rate=0.1)), precision=precision).init()
-    net.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**60)
+    net = MultiLayerNetwork(mlp(updater=Nesterovs(learning_rate=0.1)), backend=backend_for(device),
+                            precision=precision).init()
+    net.scaler = torch.amp.GradScaler(device, init_scale=2.0**60)
     weights = [p.detach().clone() for p in net.module.parameters()]
     net.fit((x, y), epochs=2, batch_size=16)  # 8 minibatches, all overflowing
     assert torch.is_tensor(net.__dict__["_pending_updates"])  # nothing was read during the fit
     assert net.update_count == 0 and net.__dict__["_pending_updates"] is None
     assert all(torch.equal(a, b) for a, b in zip(weights, net.module.parameters()))
-    net.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    net.scaler = torch.amp.GradScaler(device, init_scale=2.0**8)
     net._train_step = None
     net.fit((x, y), epochs=1, batch_size=16)
     assert net.update_count == 4 and net.iteration_count == 12
     assert not all(torch.equal(a, b) for a, b in zip(weights, net.module.parameters()))
 
 
-def test_nan_error_names_the_precision_and_a_remedy():
+@on_devices
+def test_nan_error_names_the_precision_and_a_remedy(device):
+    needs(device, "bfloat16")
     x, y = toy_data(32)
     x[5, 2] = float("inf")
     with pytest.raises(TrainingError, match=r"precision 'bfloat16'"):
-        MultiLayerNetwork(mlp(), precision="bfloat16").fit((x, y), batch_size=8)
+        MultiLayerNetwork(mlp(), backend=backend_for(device), precision="bfloat16").fit((x, y), batch_size=8)
     with pytest.raises(TrainingError, match=r"precision 'half'; use 'mixed-fp16' \(loss scaling\) or 'bfloat16'"):
-        MultiLayerNetwork(mlp(), precision="half").fit((x, y), batch_size=8)
+        MultiLayerNetwork(mlp(), backend=backend_for(device), precision="half").fit((x, y), batch_size=8)
 
 
-def test_bfloat16_save_load_keeps_masters_and_resumes_exactly(tmp_path):
+@on_devices
+def test_bfloat16_save_load_keeps_masters_and_resumes_exactly(tmp_path, device):
+    needs(device, "bfloat16")
     x, y = toy_data()
-    straight = MultiLayerNetwork(mlp(), precision="bfloat16")
+    backend = backend_for(device)
+    straight = MultiLayerNetwork(mlp(), backend=backend, precision="bfloat16")
     straight.fit((x, y), epochs=2, batch_size=32)
-    first = MultiLayerNetwork(mlp(), precision="bfloat16")
+    first = MultiLayerNetwork(mlp(), backend=backend, precision="bfloat16")
     first.fit((x, y), epochs=1, batch_size=32)
     first.save(tmp_path / "bf16.dl4py")
-    resumed = dl4py.load(tmp_path / "bf16.dl4py")
-    assert resumed.precision.name == "bfloat16"
+    resumed = dl4py.load(tmp_path / "bf16.dl4py", backend=backend)
+    assert resumed.precision.name == "bfloat16" and resumed.device.type == device
     assert torch.equal(resumed.output(x), first.output(x))
     resumed.fit((x, y), epochs=1, batch_size=32)
     for a, b in zip(straight.master.master_module.parameters(), resumed.master.master_module.parameters()):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a.cpu(), b.cpu(), **tolerance(device))  # on the CPU: equal
     # Loaded as float, the float32 masters become the weights (not their bf16 roundings).
-    as_float = dl4py.load(tmp_path / "bf16.dl4py", precision="float")
+    as_float = dl4py.load(tmp_path / "bf16.dl4py", backend=backend, precision="float")
     for a, b in zip(first.master.master_module.parameters(), as_float.module.parameters()):
         assert torch.equal(a, b)
 
@@ -254,6 +289,7 @@ def test_set_default_dtype_is_the_process_default():
         dl4py.set_default_dtype("float")
 
 
+@pytest.mark.slow
 @pytest.mark.torch_compile_threads
 def test_compiled_step_equals_eager():
     """environment compile='default': torch.compile'd forward and backward, same results."""
@@ -300,115 +336,3 @@ def test_bfloat16_on_a_gpu_before_ampere_is_a_clear_error(monkeypatch, precision
         net._check_precision_supported()
     capability["value"] = (8, 0)
     net._check_precision_supported()  # an A100 has it
-
-
-# -- 16-bit convolutions on CPUs without native 16-bit arithmetic (nn/convolution.py) ----------
-
-def _upcasting(dtype):
-    from dl4py.nn.convolution import upcasts_on_cpu
-
-    return pytest.mark.skipif(not upcasts_on_cpu(dtype), reason=f"this CPU has native {dtype} convolutions, "
-                                                                "so PyTorch's own kernel runs")
-
-
-def _conv_ops(step) -> set[str]:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-        step()
-    return {event.name for event in profile.events() if "conv" in event.name}
-
-
-@_upcasting(torch.bfloat16)
-@pytest.mark.parametrize("precision", ["bfloat16", "mixed-bf16"])
-def test_16bit_lenet_convolves_in_float32_not_in_the_slow_kernel(precision):
-    net = MultiLayerNetwork(LENET, precision=precision).init()
-    reference = MultiLayerNetwork(LENET, precision="float").init()
-    conv = net.module[0].op
-    assert isinstance(conv, torch.nn.Conv2d) and list(net.module.state_dict()) == list(reference.module.state_dict())
-    gen = torch.Generator().manual_seed(0)
-    x, y = torch.rand(40, 784, generator=gen), torch.randint(0, 10, (40,), generator=gen)
-    ops = _conv_ops(lambda: net.fit((x, y), batch_size=40, verbose=0))
-    assert "aten::mkldnn_convolution" in ops and "aten::convolution_backward" in ops, ops
-    assert not any("slow_conv" in name or "thnn_conv" in name for name in ops), ops
-    assert conv.weight.dtype == (torch.bfloat16 if precision == "bfloat16" else torch.float32)
-
-
-def _conv_cases():
-    from dl4py.nn.convolution import Conv1d, Conv2d, ConvTranspose2d
-
-    return {
-        "conv2d": (lambda: Conv2d(4, 6, 3, stride=2, padding=1, groups=2), (40, 4, 9, 9)),
-        "dilated conv2d": (lambda: Conv2d(3, 5, 3, padding=2, dilation=2, bias=False), (40, 3, 8, 8)),
-        "conv1d": (lambda: Conv1d(5, 7, 3, padding=1), (40, 5, 20)),
-        "conv_transpose2d": (lambda: ConvTranspose2d(6, 4, 4, stride=2, padding=1), (40, 6, 7, 7)),
-    }
-
-
-def _run(module, x, grad):
-    x = x.clone().requires_grad_()
-    y = module(x)
-    y.backward(grad.to(y.dtype))
-    return [y, x.grad] + [p.grad for p in module.parameters()]
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("case", ["conv2d", "dilated conv2d", "conv1d", "conv_transpose2d"])
-def test_a_16bit_convolution_is_the_float32_one_rounded_and_agrees_with_the_16bit_kernel(case, dtype, monkeypatch):
-    from dl4py.nn import convolution
-    from dl4py.nn.convolution import upcasts_on_cpu
-
-    monkeypatch.setattr(convolution, "CHUNK_BYTES", 2**15)  # several chunks of these 40 examples
-    make, shape = _conv_cases()[case]
-    gen = torch.Generator().manual_seed(3)
-    torch.manual_seed(3)
-    wide = make()  # float32 reference: the same module class, float32 path
-    ours = make().to(dtype)
-    ours.load_state_dict(wide.state_dict())
-    wide.load_state_dict(ours.state_dict())  # the float32 module holds the 16-bit values exactly
-    kernel = getattr(torch.nn, type(ours).__name__)(*_args(ours)).to(dtype)  # PyTorch's own 16-bit kernel
-    kernel.load_state_dict(ours.state_dict())
-    x = torch.randn(shape, generator=gen).to(dtype)
-    out_shape = wide(x.float()).shape
-    grad = torch.randn(out_shape, generator=gen).to(dtype)
-    expected = _run(wide, x.float(), grad.float())
-    got = _run(ours, x, grad)
-    slow = _run(kernel, x, grad)
-    eps = torch.finfo(dtype).eps
-    for name, g, e, s in zip(["result", "input gradient", "weight gradient", "bias gradient"], got, expected, slow):
-        assert g.dtype == dtype and g.shape == e.shape, name
-        scale = e.abs().max().item()
-        if upcasts_on_cpu(dtype):
-            if name in ("result", "input gradient"):  # each element is one float32 sum, rounded once
-                assert torch.equal(g, e.to(dtype)), name
-            else:  # summed over the chunks in float32, then rounded
-                assert (g.float() - e).abs().max().item() <= eps * scale, name
-        # Within 16-bit rounding of PyTorch's own 16-bit kernel (which sums partly in 16 bits).
-        assert (g.float() - s.float()).abs().max().item() <= 8 * eps * scale, name
-
-
-def _args(conv):
-    """The constructor arguments of a convolution module, for its plain torch twin."""
-    return (conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding) + (
-        (conv.output_padding, conv.groups, conv.bias is not None, conv.dilation)
-        if conv.transposed else (conv.dilation, conv.groups, conv.bias is not None))
-
-
-@_upcasting(torch.bfloat16)
-def test_under_autocast_the_float32_path_computes_what_autocast_would():
-    from dl4py.nn.convolution import Conv2d
-
-    torch.manual_seed(4)
-    plain, ours = torch.nn.Conv2d(3, 8, 3), Conv2d(3, 8, 3)
-    ours.load_state_dict(plain.state_dict())
-    x = torch.randn(36, 3, 10, 10)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        expected, got = plain(x), ours(x)
-        ops = _conv_ops(lambda: ours(x).float().sum().backward())
-    assert not any("slow_conv" in name or "thnn_conv" in name for name in ops), ops
-    assert got.dtype == expected.dtype == torch.bfloat16
-    assert (got.float() - expected.float()).abs().max() <= torch.finfo(torch.bfloat16).eps * expected.abs().max()
-    expected.float().sum().backward()
-    ours.zero_grad()
-    got.float().sum().backward()
-    assert ours.weight.grad.dtype == torch.float32  # the float parameters get float gradients
-    for a, b in ((ours.weight.grad, plain.weight.grad), (ours.bias.grad, plain.bias.grad)):
-        assert (a - b).abs().max() <= 8 * torch.finfo(torch.bfloat16).eps * b.abs().max()

@@ -13,16 +13,19 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 import dl4py.nn.model
 from dl4py.backend.precision import NAMES
 from dl4py.cli import main
 
+from devices import backend_for, on_devices
+
 EXAMPLES, BATCH = 192, 16  # 12 iterations: the default stats_every (10) records one step
 FP16_ON_CPU = "no fast float16 kernels"  # what the CPU run of a float16 policy warns
 
 
-def _toy_run_config(tmp_path) -> str:
+def _toy_run_config(tmp_path, device: str) -> str:
     """A run config over a CSV of 4x4 one-channel images in 3 classes; a network with a
     convolution, a dense and an output layer, as LeNet has, but small enough for seconds."""
     rng = np.random.default_rng(0)
@@ -42,22 +45,26 @@ network:
     - {{type: dense, n_out: 8, activation: tanh}}
     - {{type: output, n_out: 3, activation: softmax, loss: negativeloglikelihood}}
 data: {{dataset: csv, train_path: {tmp_path / 'train.csv'}, test_path: {tmp_path / 'test.csv'}, num_classes: 3}}
-training: {{epochs: 1, batch_size: {BATCH}, backend: cpu}}
+training: {{epochs: 1, batch_size: {BATCH}, backend: {backend_for(device)}}}
 """)
     return str(config)
 
 
 @pytest.mark.timeout(120)
+@on_devices
 @pytest.mark.parametrize("precision", NAMES)
-def test_train_records_stats_in_every_precision(tmp_path, precision, caplog, capsys, monkeypatch):
+def test_train_records_stats_in_every_precision(tmp_path, precision, device, caplog, capsys, monkeypatch):
+    if device == "cuda" and "bf" in precision and torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("bfloat16 needs a GPU of compute capability 8.0 or later")
     monkeypatch.setattr(dl4py.nn.model, "_warned", set())  # the fp16 warning is once per process
     run_dir = tmp_path / "run"
     with caplog.at_level(logging.WARNING, logger="dl4py"):
-        code = main(["train", _toy_run_config(tmp_path), "--precision", precision, "--output", str(run_dir),
+        code = main(["train", _toy_run_config(tmp_path, device), "--precision", precision, "--output", str(run_dir),
                      "--no-progress"])
     assert code == 0, capsys.readouterr().err
     result = json.loads((run_dir / "result.json").read_text())
     assert result["status"] == "completed" and result["precision"] == precision
+    assert result["device"].startswith(device)
     assert result["iterations"] == EXAMPLES // BATCH
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -71,4 +78,4 @@ def test_train_records_stats_in_every_precision(tmp_path, precision, caplog, cap
         assert numbers["parameters"] > 0 and numbers["updates"] > 0, (name, numbers)
 
     # A CPU has no float16 kernels worth the name: such a policy runs, and says it is slow.
-    assert (FP16_ON_CPU in caplog.text) == (precision in ("half", "mixed-fp16")), caplog.text
+    assert (FP16_ON_CPU in caplog.text) == (precision in ("half", "mixed-fp16") and device == "cpu"), caplog.text

@@ -11,6 +11,7 @@ import torch
 import yaml
 from torch.func import functional_call
 
+from devices import backend_for, on_devices, tolerance
 from dl4py.config import (
     GRU,
     LSTM,
@@ -30,6 +31,7 @@ from dl4py.data import DataSet, SequenceDataSetIterator
 from dl4py.data.prefetch import copy_to_device
 from dl4py.errors import ConfigError, DataError
 from dl4py.nn import MultiLayerNetwork, load
+from step_peak import check_estimate, step_peak
 
 
 def _conf(input_type, *layers, lr=0.01):
@@ -183,18 +185,23 @@ def test_embedding_rejects_non_index_features():
 
 
 # ---- masks --------------------------------------------------------------------------------
-def test_masked_padding_changes_nothing_for_real_steps():
+@on_devices
+def test_masked_padding_changes_nothing_for_real_steps(device):
     """A padded batch (garbage in its padding) gives each sequence's own per-step loss and
-    gradient, and LastTimeStep each sequence's own last step."""
+    gradient, and LastTimeStep each sequence's own last step (cuDNN's kernels on a GPU, which
+    sum in another order for another batch: tolerances a hundred times looser, still far
+    below what padding that leaked in would change)."""
+    loose = 1.0 if device == "cpu" else 100.0
     g = torch.Generator().manual_seed(3)
     lengths = [2, 5, 3]
-    seqs = [torch.randn(t, 3, generator=g, dtype=torch.float64) for t in lengths]
-    steps = [torch.randint(0, 4, (t,), generator=g) for t in lengths]
+    seqs = [torch.randn(t, 3, generator=g, dtype=torch.float64).to(device) for t in lengths]
+    steps = [torch.randint(0, 4, (t,), generator=g).to(device) for t in lengths]
     per_step = MultiLayerNetwork(_conf(InputType.recurrent(3), LSTM(n_out=5), GRU(n_out=4),
-                                       RnnOutputLayer(n_out=4)), precision="double").init()
-    x = torch.full((3, 5, 3), 100.0, dtype=torch.float64)  # padding far from any real value
-    y = torch.zeros(3, 5, dtype=torch.int64)
-    mask = torch.zeros(3, 5, dtype=torch.float64)
+                                       RnnOutputLayer(n_out=4)), precision="double",
+                                 backend=backend_for(device)).init()
+    x = torch.full((3, 5, 3), 100.0, dtype=torch.float64, device=device)  # padding far from any real value
+    y = torch.zeros(3, 5, dtype=torch.int64, device=device)
+    mask = torch.zeros(3, 5, dtype=torch.float64, device=device)
     for i, t in enumerate(lengths):
         x[i, :t], y[i, :t], mask[i, :t] = seqs[i], steps[i], 1.0
 
@@ -211,17 +218,17 @@ def test_masked_padding_changes_nothing_for_real_steps():
         loss, g_i = loss_and_grads(seqs[i][None], steps[i][None], None)
         total += loss * t
         grads = [gi * t for gi in g_i] if grads is None else [a + gi * t for a, gi in zip(grads, g_i)]
-    assert torch.allclose(padded_loss, total / sum(lengths), atol=1e-12)
+    assert torch.allclose(padded_loss.cpu(), (total / sum(lengths)).cpu(), atol=1e-12 * loose)
     for a, b in zip(padded_grads, grads):
-        assert torch.allclose(a, b / sum(lengths), atol=1e-10)
+        assert torch.allclose(a.cpu(), (b / sum(lengths)).cpu(), atol=1e-10 * loose)
 
     last = MultiLayerNetwork(_conf(InputType.recurrent(3), LSTM(n_out=5), LastTimeStep(GRU(n_out=4)),
-                                   OutputLayer(n_out=2)), precision="double").init()
+                                   OutputLayer(n_out=2)), precision="double", backend=backend_for(device)).init()
     last.set_mask(mask)
     together = last.module(x)
     last.set_mask(None)
     alone = torch.cat([last.module(s[None]) for s in seqs])
-    assert torch.allclose(together, alone, atol=1e-12)
+    assert torch.allclose(together.cpu(), alone.cpu(), atol=1e-12 * loose)
 
 
 def test_sequence_iterator_pads_and_masks():
@@ -236,7 +243,8 @@ def test_sequence_iterator_pads_and_masks():
         DataSet(batch.features, batch.labels, torch.tensor([[1.0, 1, 1], [0, 1, 0], [1, 1, 0]]))
 
 
-def test_two_workers_on_padded_sequences_train_as_one_process_on_each_rounds_union():
+@on_devices
+def test_two_workers_on_padded_sequences_train_as_one_process_on_each_rounds_union(device):
     # Sharing gradients, two workers on batches of 4 step on the mean gradient of each
     # round's two batches: one process on batches of 8 (the same sequences) must agree.
     # Its batches are padded to other lengths, so it agrees only if every worker masked
@@ -247,13 +255,15 @@ def test_two_workers_on_padded_sequences_train_as_one_process_on_each_rounds_uni
     lengths = torch.randint(1, 7, (48,), generator=gen).tolist()
     sequences = [torch.randn(t, 2, generator=gen).numpy() for t in lengths]
     labels = [int(s[:, 0].sum() > 0) for s in sequences]
-    reference = MultiLayerNetwork(CONFIGS["gru_last_step"](), backend="cpu")
+    reference = MultiLayerNetwork(CONFIGS["gru_last_step"](), backend=backend_for(device))
     reference.fit(SequenceDataSetIterator(sequences, labels, batch_size=8), epochs=2, verbose=0)
-    net = MultiLayerNetwork(CONFIGS["gru_last_step"](), backend="cpu")
-    ParallelWrapper(net, workers=2, training_mode="shared_gradients").fit(
+    net = MultiLayerNetwork(CONFIGS["gru_last_step"](), backend=backend_for(device))
+    devices = {"devices": ["cuda:0"]} if device == "cuda" else {}  # two workers on one GPU (gloo)
+    ParallelWrapper(net, workers=2, training_mode="shared_gradients", **devices).fit(
         SequenceDataSetIterator(sequences, labels, batch_size=4), epochs=2, verbose=0)
+    close = tolerance(device) if device == "cuda" else {"atol": 1e-5}
     for (name, a), b in zip(net.module.named_parameters(), reference.module.parameters()):
-        assert torch.allclose(a, b, atol=1e-5), name
+        assert a.device.type == device and torch.allclose(a.cpu(), b.cpu(), **close), name
 
 
 def test_l2_reaches_the_recurrent_weights_and_not_their_biases():
@@ -279,11 +289,12 @@ def _memory_task(n, seed):
     return seqs, [int(s[0, 0] > 0) for s in seqs]
 
 
-def test_lstm_sequence_classifier_learns_well_above_chance():
+@on_devices
+def test_lstm_sequence_classifier_learns_well_above_chance(device):
     train_x, train_y = _memory_task(384, 0)
     test_x, test_y = _memory_task(200, 1)
     net = MultiLayerNetwork(_conf(InputType.recurrent(2), LastTimeStep(LSTM(n_out=12)),
-                                  OutputLayer(n_out=2), lr=0.05)).init()
+                                  OutputLayer(n_out=2), lr=0.05), backend=backend_for(device)).init()
     net.fit(SequenceDataSetIterator(train_x, train_y, 32, shuffle=True), epochs=6, verbose=0)
     accuracy = net.evaluate(SequenceDataSetIterator(test_x, test_y, 100)).accuracy()
     assert accuracy > 0.85, accuracy  # chance: 0.5
@@ -333,12 +344,13 @@ def test_memory_estimate_covers_recurrent_layers(tmp_path):
         estimate(conf.replace(input_type=InputType.recurrent(1)), 16)
 
 
-def test_memory_estimate_of_an_lstm_step_is_within_5_percent_of_the_measured_peak():
+@on_devices
+def test_memory_estimate_of_an_lstm_step_is_within_5_percent_of_the_measured_peak(device):
+    # On a GPU (cuDNN's reserve, not modelled yet) a miss is an expected failure: tests/step_peak.py.
     from dl4py.memory import estimate
-    from dl4py.memory.measure import measure_training_step
 
     conf = _conf(InputType.recurrent(4, 20), LSTM(n_out=32), LastTimeStep(LSTM(n_out=32)), OutputLayer(n_out=3))
-    net = MultiLayerNetwork(conf, backend="cpu").init()
+    net = MultiLayerNetwork(conf, backend=backend_for(device)).init()
     g = torch.Generator().manual_seed(5)
-    measured = measure_training_step(net, torch.randn(16, 20, 4, generator=g), torch.randint(0, 3, (16,), generator=g))
-    assert estimate(conf, 16, device="cpu").peak_bytes == pytest.approx(measured.peak_bytes, rel=0.05)
+    measured = step_peak(net, torch.randn(16, 20, 4, generator=g), torch.randint(0, 3, (16,), generator=g))
+    check_estimate(estimate(conf, 16, device=device).peak_bytes, measured, 0.05, device, "two lstm layers")

@@ -150,6 +150,7 @@ def test_sigterm_to_one_worker_stops_every_worker_after_the_same_round_and_resum
     assert processes.left() == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_worker_that_stops_answering_is_named_with_its_phase_within_the_timeout():
     processes = RunProcesses()
@@ -214,13 +215,25 @@ class Torchrun:
         """Every launcher's output, and the processes of the run still alive a few seconds
         after the launchers ended (killed then, so that a failing test leaves none)."""
         try:
-            output = "".join(p.communicate(timeout=timeout)[0] for p in self.launchers)
+            output = "".join(self.outputs(timeout))
             deadline = time.monotonic() + 5
             while self.processes() and time.monotonic() < deadline:
                 time.sleep(0.1)
             return output, self.processes()
         finally:
             self.kill()
+
+    def outputs(self, timeout: float) -> list[str]:
+        """Each launcher's output, all within one ``timeout``; a launcher still running then
+        fails the test naming its node (``finish`` kills what is left)."""
+        deadline = time.monotonic() + timeout
+        outputs = []
+        for node, launcher in enumerate(self.launchers):
+            try:
+                outputs.append(launcher.communicate(timeout=max(0.1, deadline - time.monotonic()))[0])
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"torchrun node {node} did not finish within {timeout:g} s") from None
+        return outputs
 
     def kill(self) -> None:
         for pid in self.processes():
@@ -248,6 +261,7 @@ class Torchrun:
         return output.count("Traceback") == len(self.launchers)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_sigterm_to_one_torchrun_rank_stops_every_rank_after_the_same_round_and_resumes_exactly(tmp_path):
     run = Torchrun.faults(tmp_path, "sigterm", "sharded", 60)
@@ -266,6 +280,7 @@ def test_sigterm_to_one_torchrun_rank_stops_every_rank_after_the_same_round_and_
     assert left == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_torchrun_rank_that_stops_answering_is_named_by_every_rank_within_the_timeout(tmp_path):
     run = Torchrun.faults(tmp_path, "sleep", "averaging", TORCHRUN_HANG_TIMEOUT)

@@ -212,6 +212,7 @@ def _lie_about_size(path: Path, name: str, size: int) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 def test_zip_bombs_are_not_inflated(good_entries, tmp_path):
     foreign, honest, lying = tmp_path / "foreign.dl4py", tmp_path / "honest.dl4py", tmp_path / "lying.dl4py"
     _bomb(good_entries, foreign, "notes.bin")  # unknown entry: never read
@@ -300,6 +301,7 @@ def _csv_run_config(tmp_path, csv: Path, **data) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_csv_label_beyond_n_out_in_a_later_batch_is_named_before_training(tmp_path):
     # Row 150 is in the fifth batch; num_classes 5 lets the file's own check pass.
     csv = _csv(tmp_path, rows=200, bad_row=150, bad_label=4)

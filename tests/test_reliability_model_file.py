@@ -177,6 +177,7 @@ def test_every_layer_type_saved_honestly_still_loads(tmp_path):
         assert dl4py.load(path).num_params() == net.num_params(), type_name
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_memory_stays_bounded_and_the_cli_says_one_line(crafted):
     # One process (each costs seconds of imports): the library's load, then the CLI's main

@@ -85,6 +85,7 @@ def wait_for(condition, timeout: float = 60.0, what: str = "condition") -> None:
 
 # ---- 1. one writer per run directory ---------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_second_writer_is_refused_naming_the_holder_and_the_first_run_is_intact(tmp_path, mnist):
     long_run = write_config(tmp_path, training__epochs=10_000)
     other = write_config(tmp_path, "other.yaml", network__updater={"type": "sgd", "learning_rate": 0.5})
@@ -116,6 +117,7 @@ def test_a_second_writer_is_refused_naming_the_holder_and_the_first_run_is_intac
                  "--no-progress").returncode == 0
 
 
+@pytest.mark.slow
 def test_a_sweep_folder_has_one_writer(tmp_path):
     from dl4py.folders import FolderLock
 
@@ -147,6 +149,7 @@ def trained_run(tmp_path, mnist):
     return config, out
 
 
+@pytest.mark.slow
 def test_resume_with_another_network_is_refused_with_the_keys_named(tmp_path, trained_run):
     config, out = trained_run
     wider = write_config(tmp_path, "wide.yaml", training__epochs=2, network__layers=[
@@ -166,6 +169,7 @@ def test_resume_with_another_network_is_refused_with_the_keys_named(tmp_path, tr
     assert "n_out: 32" in (out / "config.yaml").read_text()  # the refused resume wrote nothing
 
 
+@pytest.mark.slow
 def test_changed_batching_is_refused_mid_epoch_and_accepted_at_an_epoch_boundary(tmp_path, trained_run):
     config, out = trained_run
     boundary = dl4py("train", config, "--output", out, "--resume", "--epochs", 2, "--set", "data.limit_train=512",
@@ -266,6 +270,7 @@ def capped_file_size(limit_bytes: int):
     return cap
 
 
+@pytest.mark.slow
 def test_a_full_disk_before_the_start_and_during_a_save_is_one_line(tmp_path, mnist):
     config = write_config(tmp_path)
     disk = tmp_path / "disk"
@@ -311,6 +316,7 @@ def read_only(folder: Path):
         folder.chmod(mode)
 
 
+@pytest.mark.slow
 def test_read_only_and_misplaced_outputs_are_one_line(tmp_path, trained_run):
     config, out = trained_run
     checkpoint = (out / "checkpoint.dl4py").read_bytes()
@@ -333,6 +339,7 @@ def test_read_only_and_misplaced_outputs_are_one_line(tmp_path, trained_run):
 
 # ---- 9. a failed run still tells what happened ------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_nan_run_with_early_stopping_records_why_it_failed(tmp_path, mnist):
     config = write_config(tmp_path, network__updater={"type": "sgd", "learning_rate": 1.0e12},
                           training__early_stopping={"metric": "accuracy", "patience": 2}, training__epochs=3)
@@ -346,6 +353,7 @@ def test_a_nan_run_with_early_stopping_records_why_it_failed(tmp_path, mnist):
     assert not (out / "model.dl4py").exists()
 
 
+@pytest.mark.slow
 def test_a_run_that_fails_before_training_leaves_no_directory(tmp_path, mnist):
     import torch
 
@@ -361,6 +369,7 @@ def test_a_run_that_fails_before_training_leaves_no_directory(tmp_path, mnist):
     assert empty.is_dir() and list(empty.iterdir()) == []  # given empty, left empty and usable
 
 
+@pytest.mark.slow
 def test_debug_shows_the_traceback_on_purpose(tmp_path):
     a_file = tmp_path / "a_file"
     a_file.write_text("x")

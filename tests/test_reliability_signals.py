@@ -127,6 +127,7 @@ def started_training(run: Run, metrics: Path, workers: int) -> bool:
     return iterations_logged(metrics) >= 2 and len(run.processes()) >= 1 + workers
 
 
+@pytest.mark.slow
 def test_sigterm_stops_a_two_worker_run_with_a_checkpoint_and_no_process_left(config, tmp_path):
     out = tmp_path / "run"
     run = Run("train", config, "--workers", 2, "--output", out, "--no-progress")
@@ -146,6 +147,7 @@ def test_sigterm_stops_a_two_worker_run_with_a_checkpoint_and_no_process_left(co
     assert left == [], "processes of the run still alive 10 s after it ended"
 
 
+@pytest.mark.slow
 def test_workers_die_with_a_killed_parent(config, tmp_path):
     out = tmp_path / "run"
     # Epochs enough that orphans would still be training when the test looks for them.
@@ -160,6 +162,7 @@ def test_workers_die_with_a_killed_parent(config, tmp_path):
     assert left == [], "workers still alive 10 s after their parent was killed"
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_the_first_parallel_epoch_keeps_a_checkpoint_that_resume_continues(config, tmp_path):
     out = tmp_path / "run"
     run = Run("train", config, "--workers", 2, "--output", out, "--no-progress")
@@ -192,6 +195,7 @@ def test_ctrl_c_in_the_first_parallel_epoch_keeps_a_checkpoint_that_resume_conti
     assert result["status"] == "completed" and result["epochs"] == 1 and result["iterations"] == BATCHES
 
 
+@pytest.mark.slow
 def test_sigterm_keeps_the_partial_epoch_of_a_single_process_run(config, tmp_path):
     out = tmp_path / "run"
     run = Run("train", config, "--output", out, "--no-progress")
@@ -243,6 +247,7 @@ ProcessQueue([job], [Slot(None, 0, 2)], lambda *args: None).run()
 """
 
 
+@pytest.mark.slow
 def test_a_killed_sweep_leaves_no_process_of_its_parallel_experiment(config, tmp_path):
     out = tmp_path / "sweep"
     run = Run("-c", SWEEP, config, out, dl4py=False)

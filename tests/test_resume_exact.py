@@ -12,9 +12,12 @@ parameters, master weights, updater state, loss scaler, counters and score, and 
 every iteration of both parts, must equal the reference's bit for bit.
 
 The default suite runs every precision and kind on one device and each parallel plan once
-(together covering every fix); the whole matrix is ``slow``. Then, in this process: what
-cannot be replayed is refused before training, a DataLoader's own generator, and the
-``--resume`` line that says what was restored.
+(together covering every fix); the whole matrix is ``slow``. On a GPU (``gpu`` marker): every
+precision and kind on one device (a CUDA GradScaler's state; dropout from the GPU's generator,
+seeded per batch) and the averaging and shared-gradients plans, whose two workers share cuda:0
+(gloo), bit for bit as on the CPU. Then, in this process: what cannot be replayed is refused
+before training, a DataLoader's own generator, and the ``--resume`` line that says what was
+restored, the last three on each device.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 import yaml
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
+from devices import backend_for, on_devices
 from dl4py import DataError, load
 from dl4py.config.run import RunConfig
 from dl4py.nn.model_file import read_model_file
@@ -60,6 +64,12 @@ FAST = [case for case in MATRIX if case.startswith("single:")] + [
     "averaging:mixed-fp16:loader", "shared_gradients:float:loader", "sharded:mixed-fp16:stream",
     "tensor:float:loader", "hybrid:float:stream"]
 SLOW = [case for case in MATRIX if case not in FAST]
+# The sharded, tensor and hybrid plans are left out on a GPU: with two workers on one GPU they
+# would run over gloo, which the machines they are meant for (a GPU per worker, NCCL) do not.
+CUDA = [f"{case}:cuda" for case in FAST if case.startswith("single:")] + [
+    "averaging:mixed-fp16:loader:cuda", "shared_gradients:float:stream:cuda"]
+ON_DEVICES = [pytest.param(case, id=case) for case in FAST] + [
+    pytest.param(case, id=case, marks=pytest.mark.gpu) for case in CUDA]
 
 
 def _start(phase: str, folder: Path, cases: list[str]) -> subprocess.Popen:
@@ -108,6 +118,13 @@ def fast_runs(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def cuda_runs(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("resume-cuda")
+    two_runs(folder, CUDA)
+    return folder
+
+
+@pytest.fixture(scope="module")
 def slow_runs(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("resume-slow")
     two_runs(folder, SLOW)
@@ -148,10 +165,12 @@ def assert_resumed_exactly(folder: Path, case: str) -> None:
     assert reference[-1][0] == EPOCHS * per_epoch
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(2 * PHASE_TIMEOUT + 60)  # includes the module's runs, when this case is the first
-@pytest.mark.parametrize("case", FAST)
-def test_a_run_stopped_and_resumed_in_a_fresh_process_is_the_run_without_the_stop(fast_runs, case):
-    assert_resumed_exactly(fast_runs, case)
+@pytest.mark.parametrize("case", ON_DEVICES)
+def test_a_run_stopped_and_resumed_in_a_fresh_process_is_the_run_without_the_stop(request, case):
+    runs = request.getfixturevalue("cuda_runs" if case.endswith(":cuda") else "fast_runs")
+    assert_resumed_exactly(runs, case)
 
 
 @pytest.mark.soak
@@ -183,8 +202,8 @@ class CtrlCAt(TrainingListener):
             os.kill(os.getpid(), signal.SIGINT)
 
 
-def _stopped_model(data, precision: str = "float"):
-    model = network(precision)
+def _stopped_model(data, precision: str = "float", device: str = "cpu"):
+    model = network(precision, device)
     model.fit(data, epochs=EPOCHS, listeners=[StopAt(STOP_AT)], verbose=0)
     assert (model.epoch_count, model.batch_in_epoch) == (1, STOP_AT - ROWS // BATCH)
     return model
@@ -234,19 +253,20 @@ def test_averaging_without_averaged_updaters_refuses_to_continue_an_epoch_before
         assert wrapper._pool.starts == 0
 
 
-def test_a_dataloaders_own_generator_gives_the_resumed_epoch_its_order():
+@on_devices
+def test_a_dataloaders_own_generator_gives_the_resumed_epoch_its_order(device):
     """A fresh process's loader has a fresh generator, seeded as the first run's was: the epoch
     it resumes is shuffled as the first run's second epoch was, not as its first."""
     def loader():
         return DataLoader(TensorDataset(*toy_rows()), batch_size=BATCH, shuffle=True,
                           generator=torch.Generator().manual_seed(7))
 
-    straight = network("float")
+    straight = network("float", device)
     straight.fit(loader(), epochs=EPOCHS, verbose=0)
-    resumed = load(model_bytes(_stopped_model(loader())))
+    resumed = load(model_bytes(_stopped_model(loader(), device=device)), backend=backend_for(device))
     resumed.fit(loader(), epochs=1, verbose=0)
     assert _same(straight.module.state_dict(), resumed.module.state_dict())
-    per_epoch, same_loader = network("float"), loader()  # a fit per epoch (DL4J's loop), on one loader
+    per_epoch, same_loader = network("float", device), loader()  # a fit per epoch (DL4J's loop), on one loader
     for _ in range(EPOCHS):
         per_epoch.fit(same_loader, epochs=1, verbose=0)
     assert _same(straight.module.state_dict(), per_epoch.module.state_dict())
@@ -260,21 +280,22 @@ class Augmented(TensorDataset):
         return x + float(np.random.normal(scale=0.1)) + random.uniform(-0.1, 0.1), y
 
 
-def test_a_dataset_drawing_from_numpy_and_python_generators_resumes_exactly():
+@on_devices
+def test_a_dataset_drawing_from_numpy_and_python_generators_resumes_exactly(device):
     def loader():
         return DataLoader(Augmented(*toy_rows()), batch_size=BATCH, shuffle=True)
 
-    straight = network("float")
+    straight = network("float", device)
     straight.fit(loader(), epochs=EPOCHS, verbose=0)
-    stopped = model_bytes(_stopped_model(loader()))
+    stopped = model_bytes(_stopped_model(loader(), device=device))
     np.random.seed(1)  # whatever the generators hold where the run goes on: a fresh process's, a later call's
     random.seed(1)
-    resumed = load(stopped)
+    resumed = load(stopped, backend=backend_for(device))
     resumed.fit(loader(), epochs=1, verbose=0)
     assert _same(straight.module.state_dict(), resumed.module.state_dict())
 
 
-def _csv_config(tmp_path: Path, precision: str) -> RunConfig:
+def _csv_config(tmp_path: Path, precision: str, device: str) -> RunConfig:
     x, y = toy_rows()
     rows = "\n".join(",".join(f"{v:.6f}" for v in features) + f",{label}" for features, label in zip(x.tolist(),
                                                                                                    y.tolist()))
@@ -289,7 +310,7 @@ network:
     - {{type: dense, n_out: 16, activation: tanh}}
     - {{type: output, n_out: 3, activation: softmax, loss: negativeloglikelihood}}
 data: {{dataset: csv, train_path: {tmp_path / 'toy.csv'}, num_classes: 3, seed: 3}}
-training: {{epochs: {EPOCHS}, batch_size: {BATCH}, backend: cpu, precision: {precision}, score_every: 0}}
+training: {{epochs: {EPOCHS}, batch_size: {BATCH}, backend: {backend_for(device)}, precision: {precision}, score_every: 0}}
 """))
 
 
@@ -297,9 +318,10 @@ training: {{epochs: {EPOCHS}, batch_size: {BATCH}, backend: cpu, precision: {pre
     ("float", "weights, updater state, RNG and data position restored"),
     ("mixed-fp16", "weights, updater state, loss scale, RNG and data position restored"),
 ], ids=["float", "mixed-fp16"])
+@on_devices
 def test_dl4py_train_resume_says_what_it_restored_and_ends_as_the_run_without_the_stop(
-        tmp_path, monkeypatch, caplog, precision, restored):
-    config = _csv_config(tmp_path, precision)
+        tmp_path, monkeypatch, caplog, precision, restored, device):
+    config = _csv_config(tmp_path, precision, device)
     train_run(config, tmp_path / "straight", progress=False)
     # The run stopped by a Ctrl-C after iteration STOP_AT, as a terminal's would.
     monkeypatch.setattr("dl4py.runner.console_listeners", lambda *args: [CtrlCAt(STOP_AT)])

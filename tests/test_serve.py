@@ -1,7 +1,10 @@
 """`dl4py serve`: an HTTP/JSON server over ParallelInference. Under load from concurrent
 clients it loses no request and answers each as model.output does; bad requests get a 4xx
 naming the problem and the server serves on; an internal error is a 500 without its
-traceback; a shutdown answers the requests it received; the command stops on SIGTERM."""
+traceback; a shutdown answers the requests it received; the command stops on SIGTERM.
+
+Which requests are under way when a server turns one away or stops is decided with a gate in
+front of the model's network (``gates.py``), never by how the threads happen to be scheduled."""
 
 from __future__ import annotations
 
@@ -15,20 +18,22 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from child_output import first_line
+from devices import backend_for, on_devices, tolerance
+from gates import Gate, GatedModule, wait_for
 from torch import nn
 
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 aiohttp = pytest.importorskip("aiohttp")
 
-from dl4py import MnistDataSetIterator, TorchModel  # noqa: E402
+from dl4py import MnistDataSetIterator, MultiLayerNetwork, TorchModel  # noqa: E402
 from dl4py.errors import MissingDependencyError  # noqa: E402
 from dl4py.serve import PredictionServer, make_app  # noqa: E402
 
@@ -37,15 +42,34 @@ LIMIT = 256 * 1024  # max_body_bytes of the servers here: a few dozen MNIST rows
 
 
 @pytest.fixture(scope="module")
-def trained():
-    """An MLP trained one epoch on 1,000 MNIST images (with a standardizing normalizer), 512
-    test images, ``model.output`` of each and each row as JSON text: (model, x, expected, rows)."""
+def trained_on():
+    """``trained_on(device)``: an MLP trained one epoch on 1,000 MNIST images (with a
+    standardizing normalizer) on ``device``'s backend, 512 test images, ``model.output`` of each
+    (on the CPU) and each row as JSON text: (model, x, expected, rows)."""
     from toy import trained_mnist_mlp
 
-    model = trained_mnist_mlp(examples=1000, batch=100)
-    x = MnistDataSetIterator(ROWS, train=False, shuffle=False, limit=ROWS).features.numpy()
-    rows = [json.dumps(row) for row in x.tolist()]  # float32 values: exact as JSON
-    return model, x, model.output(x).numpy(), rows
+    made = {}
+
+    def get(device):
+        if device not in made:
+            if device == "cpu":
+                model = trained_mnist_mlp(examples=1000, batch=100)
+            else:  # the CPU model's weights and normalizer on the device's backend
+                trained = get("cpu")[0]
+                model = MultiLayerNetwork(trained.config, backend=backend_for(device)).init()
+                model.module.load_state_dict(trained.module.state_dict())
+                model.set_normalizer(trained.normalizer)
+            x = MnistDataSetIterator(ROWS, train=False, shuffle=False, limit=ROWS).features.numpy()
+            rows = [json.dumps(row) for row in x.tolist()]  # float32 values: exact as JSON
+            made[device] = model, x, model.output(x).cpu().numpy(), rows
+        return made[device]
+
+    return get
+
+
+@pytest.fixture
+def trained(trained_on):
+    return trained_on("cpu")
 
 
 @contextmanager
@@ -82,9 +106,12 @@ def predict(server, body, content_type="application/json", **kwargs):
     return request(server, "POST", "/predict", body, {"Content-Type": content_type}, **kwargs)
 
 
-def assert_correct(answer, expected_rows):
-    assert np.abs(np.array(answer["probabilities"]) - expected_rows).max() <= 1e-6
-    assert answer["predictions"] == expected_rows.argmax(axis=1).tolist()
+def assert_correct(answer, expected_rows, device="cpu"):
+    """The server's answer is ``model.output`` (computed in another batch: float32 summation
+    order apart), and its predictions are the highest probabilities'."""
+    probabilities = np.array(answer["probabilities"])
+    np.testing.assert_allclose(probabilities, expected_rows, **tolerance(device, cpu=1e-6))
+    assert answer["predictions"] == probabilities.argmax(axis=1).tolist()
 
 
 # ---- load ----------------------------------------------------------------------------------
@@ -109,8 +136,10 @@ async def _load(server, rows, total, clients):
     return outcomes
 
 
-def test_concurrent_clients_get_every_answer_right(trained):
-    model, x, expected, rows = trained
+@pytest.mark.slow
+@on_devices
+def test_concurrent_clients_get_every_answer_right(trained_on, device):
+    model, x, expected, rows = trained_on(device)
     total = 2000
     with serving(model, workers=2, batch_limit=32, queue_limit=64, max_body_bytes=LIMIT) as server:
         outcomes = asyncio.run(_load(server, rows, total, clients=32))
@@ -119,7 +148,7 @@ def test_concurrent_clients_get_every_answer_right(trained):
     assert len(outcomes) == total  # none lost
     for indices, status, answer in outcomes:
         assert status == 200, answer
-        assert_correct(answer, expected[indices])
+        assert_correct(answer, expected[indices], device)
         assert answer["model_version"] == version
     assert stats["requests"] == total and stats["examples"] == sum(1 + n % 4 for n in range(total))
     assert stats["failed"] == 0 and stats["max_batch_size"] <= 32
@@ -190,28 +219,31 @@ def test_health_and_metadata(trained, tmp_path):
     assert answer["labels"] == [f"digit {answer['predictions'][0]}"]
 
 
-# ---- internal errors and shutdown: a model that fails, or takes its time, on purpose --------
+# ---- internal errors and shutdown: a model that fails, or waits, on purpose ------------------
 class Picky(nn.Module):
-    """A linear classifier of 4 features that fails for an example holding 13 and takes a
-    second over one holding 7."""
+    """A linear classifier of 4 features that fails for an example holding 13 and waits at
+    ``gate`` over one holding 7 (the server's replica is a copy sharing the gate)."""
 
-    def __init__(self):
+    def __init__(self, gate: Gate):
         super().__init__()
         self.linear = nn.Linear(4, 3)
+        self.gate = gate
 
     def forward(self, x):
         if (x == 13).any():
             raise RuntimeError("weights at /srv/secret/model.bin are corrupt")
         if (x == 7).any():
-            time.sleep(1.0)
+            self.gate.pass_through()
         return self.linear(x)
 
 
 @pytest.fixture
 def picky():
-    model = TorchModel(Picky(), loss=nn.CrossEntropyLoss(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+    gate = Gate()
+    model = TorchModel(Picky(gate), loss=nn.CrossEntropyLoss(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
                        output_activation=lambda t: torch.softmax(t, dim=1), backend="cpu").init()
-    return model
+    yield model
+    gate.open()  # a failing test must not leave a forward pass waiting
 
 
 def test_an_internal_error_is_a_500_without_traceback_and_logged(picky, caplog):
@@ -230,45 +262,58 @@ def test_an_internal_error_is_a_500_without_traceback_and_logged(picky, caplog):
 
 
 def test_a_full_server_says_busy_and_a_shutdown_answers_the_request_in_flight(picky):
-    slow = [[7.0, 0.0, 1.0, 2.0]]  # a second in the forward pass
+    slow = [[7.0, 0.0, 1.0, 2.0]]  # waits at the gate in the forward pass
+    gate = picky.module.gate
+    gate.close()
     server = PredictionServer(picky, port=0, input_shape=(4,), queue_limit=1, queue_timeout=0.1).start()
     result = {}
     body = json.dumps({"features": slow}).encode()
     client = threading.Thread(target=lambda: result.update(answer=predict(server, body)))
-    client.start()
-    deadline = time.monotonic() + 10
-    while server.service.counts()["in_flight"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.005)
-    status, busy, _ = predict(server, json.dumps({"features": [[1, 2, 3, 4]]}).encode())
-    assert status == 503 and "the server is busy: 1 requests are being answered (queue_limit)" in busy["error"]
-    server.stop(timeout=60)  # while the slow forward pass runs
-    client.join(30)
-    assert server.in_flight_at_stop == 1
+    try:
+        client.start()
+        gate.wait_for_arrivals(1)  # in the forward pass: it holds the one place (queue_limit=1)
+        status, busy, _ = predict(server, json.dumps({"features": [[1, 2, 3, 4]]}).encode())
+        assert status == 503 and "the server is busy: 1 requests are being answered (queue_limit)" in busy["error"]
+        # A stop's first step, before uvicorn notices it and closes the port: a request now is refused.
+        server.service.drain()
+        status, refused, _ = predict(server, json.dumps({"features": [[1, 2, 3, 4]]}).encode())
+        assert status == 503 and "shutting down" in refused["error"], refused
+        status, health, _ = request(server, "GET", "/health")
+        assert status == 503 and health["status"] == "draining" and health["in_flight"] == 1
+        server.stop(timeout=0)  # the whole stop, while the slow forward pass waits
+        assert server.in_flight_at_stop == 1
+    finally:
+        gate.open()
+        client.join(60)
+        server.stop(timeout=60)
     assert not server.running and not client.is_alive()
     status, answer, _ = result["answer"]
     assert status == 200
-    with torch.no_grad():  # model.output would wait its second again
+    with torch.no_grad():
         expected = torch.softmax(picky.module.linear(torch.tensor(slow)), dim=1).numpy()
     np.testing.assert_allclose(answer["probabilities"], expected, atol=1e-6)
     with pytest.raises(ConnectionError):  # the port is closed now
         predict(server, body)
 
 
-async def _load_until_stopped(server, rows, clients, stop_after):
+async def _load_until_stopped(server, rows, clients, stop_after, gate):
     """Clients send requests until the server stops them. Once ``stop_after`` are answered,
-    a thread stops the server at a moment when requests are under way. Outcomes:
-    (indices, status, answer), or (indices, "closed", error) for a connection the stopping
-    server refused or closed before it read a request."""
+    a thread closes ``gate`` (in front of the server's network), waits until every client has
+    a request in flight, stops the server and opens the gate. Outcomes: (indices, status,
+    answer), or (indices, "closed", error) for a connection the stopping server refused or
+    closed before it read a request."""
     outcomes = []
     timeout = aiohttp.ClientTimeout(total=60)
 
     def stop_under_load():
-        deadline = time.monotonic() + 30
-        while len(outcomes) < stop_after and time.monotonic() < deadline:
-            time.sleep(0.001)
-        while server.service.counts()["in_flight"] < clients // 3 and time.monotonic() < deadline:
-            time.sleep(0)  # a busy wait that lets others run: a request is under way for a millisecond or so
-        server.stop(timeout=60)
+        try:
+            wait_for(lambda: len(outcomes) >= stop_after, f"{stop_after} requests answered")
+            gate.close()
+            # Each client has one request at a time, and none is answered now: all come to be in flight.
+            wait_for(lambda: server.service.counts()["in_flight"] == clients, f"{clients} requests in flight")
+        finally:
+            server.stop(timeout=0)  # no more requests: those in flight are answered, later ones refused
+            gate.open()
 
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=clients)) as session:
         async def client(n):
@@ -289,20 +334,25 @@ async def _load_until_stopped(server, rows, clients, stop_after):
     return outcomes
 
 
-def test_a_shutdown_under_load_answers_every_request_it_received(trained):
-    model, x, expected, rows = trained
-    clients = 24
+@on_devices
+def test_a_shutdown_under_load_answers_every_request_it_received(trained_on, device):
+    model, x, expected, rows = trained_on(device)
+    clients, stop_after = 24, 200
     server = PredictionServer(model, port=0, max_body_bytes=LIMIT).start()
+    replica = server.service.inference.replicas[0]
+    gate = Gate()
+    replica.module = GatedModule(replica.module, gate)
     try:
-        outcomes = asyncio.run(_load_until_stopped(server, rows, clients, stop_after=300))
+        outcomes = asyncio.run(_load_until_stopped(server, rows, clients, stop_after, gate))
     finally:
+        gate.open()
         server.stop(timeout=60)
     assert not server.running
-    assert server.in_flight_at_stop >= clients // 3  # the stop came with requests under way
+    assert server.in_flight_at_stop == clients  # the stop came with every client's request under way
     statuses = [o[1] for o in outcomes]
     for indices, status, answer in outcomes:
         if status == 200:
-            assert_correct(answer, expected[indices])
+            assert_correct(answer, expected[indices], device)
         elif status == 503:
             assert "shutting down" in answer["error"]
         else:
@@ -312,20 +362,23 @@ def test_a_shutdown_under_load_answers_every_request_it_received(trained):
     # every one refused a 503; each client heard of its own; each ended on a refusal, none hung.
     assert counts["in_flight"] == 0 and counts["received"] == counts["answered"] == statuses.count(200)
     assert counts["refused"] == statuses.count(503)
-    assert statuses.count(200) >= 300 and len(outcomes) - statuses.count(200) == clients
+    assert statuses.count(200) >= stop_after + clients and len(outcomes) - statuses.count(200) == clients
 
 
 # ---- the command -----------------------------------------------------------------------------
-def test_dl4py_serve_command_answers_and_stops_on_sigterm(trained, tmp_path):
-    model, x, expected, rows = trained
+@pytest.mark.slow
+@on_devices
+def test_dl4py_serve_command_answers_and_stops_on_sigterm(trained, tmp_path, device):
+    model, x, expected, rows = trained  # trained on the CPU; the command serves it on the device
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     model.save(run_dir / "model.dl4py")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
-    process = subprocess.Popen([sys.executable, "-m", "dl4py", "serve", str(run_dir), "--port", "0", "--backend", "cpu"],
+    process = subprocess.Popen([sys.executable, "-m", "dl4py", "serve", str(run_dir), "--port", "0",
+                                "--backend", backend_for(device)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        line = _read_line(process, 60)
+        line = first_line(process, 60, "dl4py serve")
         url = re.search(r"http://127\.0\.0\.1:(\d+)", line)
         assert url, line
         port = int(url.group(1))
@@ -342,8 +395,10 @@ def test_dl4py_serve_command_answers_and_stops_on_sigterm(trained, tmp_path):
         answer = json.loads(response.read())
         connection.close()
         assert response.status == 200
-        assert_correct(answer, expected[[10, 11]])
-        assert answer["model_version"] == make_app(model).state.service.model_version  # the file's weights
+        assert_correct(answer, expected[[10, 11]], device)
+        app = make_app(model)
+        app.state.service.close()
+        assert answer["model_version"] == app.state.service.model_version  # the file's weights
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
     finally:
@@ -352,16 +407,6 @@ def test_dl4py_serve_command_answers_and_stops_on_sigterm(trained, tmp_path):
             process.wait()
         process.stdout.close()
         process.stderr.close()
-
-
-def _read_line(process, seconds) -> str:
-    """The first line the process prints, or fail after ``seconds`` (never hang)."""
-    found = []
-    reader = threading.Thread(target=lambda: found.append(process.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(seconds)
-    assert found and found[0], f"dl4py serve printed nothing: {process.stderr.read() if process.poll() else ''}"
-    return found[0]
 
 
 def test_missing_extra_names_the_pip_install(trained, monkeypatch):

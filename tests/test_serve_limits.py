@@ -32,7 +32,7 @@ from dl4py import MultiLayerNetwork, TorchModel  # noqa: E402
 from dl4py.cli import main  # noqa: E402
 from dl4py.errors import ConfigError  # noqa: E402
 from dl4py.serve import PredictionServer  # noqa: E402
-from test_serve import _read_line  # noqa: E402  (the first line dl4py serve prints, bounded)
+from child_output import first_line  # noqa: E402
 from toy import mlp  # noqa: E402
 
 GOOD = b'{"features": [[0.5, 1.0, -1.0, 2.0]]}'
@@ -220,7 +220,7 @@ def test_a_flood_of_half_sent_connections_cannot_take_every_descriptor_of_the_co
                                preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)))
     half = []
     try:
-        port = int(re.search(r"http://127\.0\.0\.1:(\d+)", _read_line(process, 60)).group(1))
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+)", first_line(process, 60, "dl4py serve")).group(1))
         half = [opened(port, HALF_SENT) for _ in range(300)]
         for _ in range(100):  # and a port scanner's: connected and gone, before the server answers
             opened(port).close()

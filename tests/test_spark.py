@@ -127,6 +127,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.soak  # long for make test's budget: make soak runs it (DEVELOPERS.md)
 @needs_java
 def test_lenet_trains_alike_under_spawn_torchrun_and_spark(spark, tmp_path, mnist, capsys):
     """``dl4py train`` on an MNIST slice under the three launchers: the workers slice the same
@@ -198,6 +199,7 @@ def test_without_pyspark_the_import_and_the_launcher_name_the_extra(tmp_path, mo
     assert not out.exists()
 
 
+@pytest.mark.slow
 @needs_java
 def test_a_dataframe_trains_as_its_in_memory_equivalent(spark, twin):
     """Two partitions of 4 batches (PARTS): rank i reads partition i, and the fit trains what
@@ -218,6 +220,7 @@ def test_a_dataframe_trains_as_its_in_memory_equivalent(spark, twin):
         SparkTrainer(network(), 2).fit(df, label="label")
 
 
+@pytest.mark.slow
 @needs_java
 def test_a_sharded_dataframe_fit_steps_as_one_process_on_each_rounds_batches(spark):
     """training_mode 'sharded' (FSDP2) on Spark tasks: rank i reads partition i, and each
@@ -239,6 +242,7 @@ def test_a_sharded_dataframe_fit_steps_as_one_process_on_each_rounds_batches(spa
         assert torch.allclose(a, b, atol=1e-6), f"{name} differs by {(a - b).abs().max().item():.2e}"
 
 
+@pytest.mark.slow
 @needs_java
 def test_local_cluster_ranks_train_exactly_and_a_failing_rank_fails_the_job_with_its_error(tmp_path, twin):
     """On local-cluster (ranks in executor processes), in one Spark application: a fit over

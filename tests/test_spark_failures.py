@@ -165,6 +165,7 @@ def training_process(wrapper) -> psutil.Process:
     return next(proc for proc in scripts if proc.ppid() in watchers)
 
 
+@pytest.mark.soak  # long for make test's budget: make soak runs it (DEVELOPERS.md)
 @needs_java
 @pytest.mark.spark
 @pytest.mark.timeout(600)
@@ -208,6 +209,7 @@ def test_a_rank_killed_by_a_signal_is_named_with_the_signal(spark_run):
     assert not run.left_behind()
 
 
+@pytest.mark.soak  # long for make test's budget: make soak runs it (DEVELOPERS.md)
 @needs_java
 @pytest.mark.spark
 @pytest.mark.timeout(600)
@@ -262,6 +264,7 @@ print(json.dumps(outcome))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_ranks_watcher_reports_a_bad_end_then_waits_for_the_cancellation_or_passes_it_on():
     """``supervise`` without Spark: the child ends as told; its parent reports a bad end

@@ -184,6 +184,7 @@ def test_a_crashing_process_is_recorded_with_its_signal_or_error_and_the_others_
 # -- whole sweeps --------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_2x2_grid_on_two_cpu_slots_ranks_four_runs_and_saves_the_best_config(grid_sweep):
     config, out, code = grid_sweep
     assert code == 0
@@ -224,6 +225,7 @@ def test_a_2x2_grid_on_two_cpu_slots_ranks_four_runs_and_saves_the_best_config(g
     assert times == sorted(times)
 
 
+@pytest.mark.slow
 def test_an_invalid_grid_value_fails_its_experiments_with_the_message_and_the_others_finish(tmp_path, mnist,
                                                                                              capsys):
     out = tmp_path / "sweep"
@@ -240,6 +242,7 @@ def test_an_invalid_grid_value_fails_its_experiments_with_the_message_and_the_ot
     assert "| failed | training.batch_size: must be positive, got 0" in (out / "results.md").read_text()
 
 
+@pytest.mark.slow
 def test_an_interrupted_sweep_resumes_only_what_was_missing(tmp_path, mnist):
     config, out = write_config(tmp_path), tmp_path / "sweep"
     # One slot; the second experiment trains long enough (~2 s) to be stopped in the middle.
@@ -270,6 +273,7 @@ def test_an_interrupted_sweep_resumes_only_what_was_missing(tmp_path, mnist):
     assert resumed["status"] == "completed" and resumed["epochs"] == 60
 
 
+@pytest.mark.slow
 def test_resume_skips_finished_runs_and_reruns_partial_ones(grid_sweep, tmp_path):
     config, finished, _ = grid_sweep
     out = tmp_path / "copy"

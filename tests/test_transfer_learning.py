@@ -3,7 +3,8 @@
 One short pretraining run and one fine-tuning run are shared by the tests (module
 fixture). What is checked: kept layers copied bit for bit, frozen ones unchanged by
 training, no gradient and no updater state for them, accuracy, save/load/resume, the
-memory estimate, the YAML round trip and the errors.
+memory estimate, the YAML round trip and the errors. A small recurrent network transfers on
+each device (a GPU too): its kept layers copied there, its new LSTM given the forget gate's bias.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from devices import backend_for, on_devices
 from dl4py import (
+    LSTM,
     Adam,
     ArrayDataSetIterator,
     BatchNormalization,
@@ -26,6 +29,7 @@ from dl4py import (
     FineTuneConfiguration,
     FrozenLayer,
     InputType,
+    LastTimeStep,
     MnistDataSetIterator,
     MultiLayerNetwork,
     NetworkConfig,
@@ -233,3 +237,37 @@ def test_bad_requests_are_errors_naming_the_layer(lenet):
         TransferLearning(lenet).remove_layers_from_output(6)
     with pytest.raises(ConfigError, match=r"FrozenLayer\.layer: an output layer cannot be frozen"):
         FrozenLayer(layer=OutputLayer(n_out=5))
+
+
+def _forget_gate_rows(lstm: torch.nn.LSTM) -> torch.Tensor:
+    """The LSTM's effective bias (bias_ih + bias_hh) as rows of PyTorch's gates: input, forget, cell, output."""
+    return (lstm.bias_ih_l0 + lstm.bias_hh_l0).detach().cpu().reshape(4, -1)
+
+
+@on_devices
+def test_a_recurrent_network_transfers_on_its_device(device):
+    """Kept layers copied bit for bit on the trained network's device, the frozen one unchanged
+    by training there, and the LSTM given new outputs (and the one above it, whose input
+    changed) initialised anew: their forget gates start at their forget_gate_bias_init again."""
+    config = NetworkConfig(seed=3, updater=Adam(learning_rate=0.01), input_type=InputType.recurrent(3), layers=[
+        LSTM(n_out=6), LSTM(n_out=5, forget_gate_bias_init=2.5), LastTimeStep(LSTM(n_out=4)), OutputLayer(n_out=2)])
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(64, 7, 3, generator=generator)
+    data = ArrayDataSetIterator(features, (features[:, 0, 0] > 0).long(), batch_size=16, seed=1)
+    trained = MultiLayerNetwork(config, backend=backend_for(device)).init()
+    trained.fit(data, epochs=1, verbose=0)
+    pretrained = _state(trained)
+    net = TransferLearning(trained).set_feature_extractor(0).n_out_replace(1, 8).build()
+    built = _state(net)
+    assert {value.device.type for value in built.values()} == {device}
+    kept = [name for name in built if name.startswith("0.")]
+    assert kept and all(torch.equal(built[name], pretrained[name]) for name in kept)
+    lstms = [m for m in net.module.modules() if isinstance(m, torch.nn.LSTM)]
+    for lstm, forget in zip(lstms[1:], (2.5, 1.0)):  # fresh: DL4J's init, not the trained biases
+        expected = torch.zeros(4, lstm.hidden_size)
+        expected[1] = forget
+        assert torch.equal(_forget_gate_rows(lstm), expected)
+    net.fit(data, epochs=1, verbose=0)
+    after = net.module.state_dict()
+    assert all(torch.equal(after[name], built[name]) for name in kept)  # frozen
+    assert not torch.equal(after["1.op.rnn.bias_ih_l0"], built["1.op.rnn.bias_ih_l0"])  # trained

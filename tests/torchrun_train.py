@@ -2,12 +2,19 @@
 saves the result (rank 0). Called without torchrun (the test's single-node reference, in
 its own process), it spawns its workers."""
 
+import os
 import sys
 
 import torch
 
 from dl4py import ArrayDataSetIterator, DenseLayer, InputType, MultiLayerNetwork, NetworkConfig, OutputLayer, Sgd
 from dl4py.parallel import ParallelWrapper, launched_by_torchrun
+
+# A rank kept waiting this long at a collective names the rank that did not arrive and ends
+# the fit (the library's watchdog): within the test's own bound on the launchers, so a
+# desynchronised or dead rank is reported by the ranks themselves, not only as a timeout.
+# Generous beside the seconds each rank takes to import torch on a busy 2-core machine.
+RANK_TIMEOUT = 60
 
 
 def main(out: str, mode: str) -> None:
@@ -19,10 +26,8 @@ def main(out: str, mode: str) -> None:
     model = MultiLayerNetwork(config, backend="cpu")
     options = {"averaging_frequency": 2} if mode == "averaging" else {}
     workers = None if launched_by_torchrun() else 2
-    with ParallelWrapper(model, workers=workers, training_mode=mode, **options) as wrapper:
+    with ParallelWrapper(model, workers=workers, training_mode=mode, timeout=RANK_TIMEOUT, **options) as wrapper:
         wrapper.fit(ArrayDataSetIterator(x, y, batch_size=16, shuffle=True, seed=3), epochs=2)
-    import os
-
     if os.environ.get("RANK", "0") == "0":
         model.save(out)
 

@@ -50,6 +50,12 @@ def upcasts_on_cpu(dtype: torch.dtype) -> bool:
     return dtype in _LOW and not cpu_has_native(dtype)
 
 
+def cpu_autocast_upcasts() -> bool:
+    """Whether CPU autocast is on with a 16-bit dtype this CPU has no native kernels for (the
+    recurrent layers then run in float32, as these convolutions do)."""
+    return _autocast_cpu_enabled() and upcasts_on_cpu(_autocast_cpu_dtype())
+
+
 def upcast_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype | None:
     """The 16-bit dtype a convolution of ``x`` with ``weight`` computes in, where it is one
     that this CPU has no native kernels for (the convolution then runs in float32); else None."""
@@ -240,5 +246,5 @@ def _autocast_off():
     return torch.autocast("cpu", enabled=False)
 
 
-__all__ = ["CHUNK_BYTES", "Conv1d", "Conv2d", "ConvTranspose2d", "chunk_examples", "cpu_has_native",
+__all__ = ["CHUNK_BYTES", "Conv1d", "Conv2d", "ConvTranspose2d", "chunk_examples", "cpu_autocast_upcasts", "cpu_has_native",
            "upcast_convolution", "upcast_dtype", "upcasts_on_cpu"]

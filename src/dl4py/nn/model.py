@@ -186,7 +186,7 @@ class Model:
     def fit(self, data, epochs: int = 1, listeners: Iterable = (), batch_size: int | None = None, *,
             validation=None, validation_split: float | None = None, metrics=None,
             shuffle: bool | None = None, label=None, features=None, verbose="auto",
-            accumulate_batches: int | None = None) -> "History":
+            accumulate_batches: int | None = None, normalizer=None) -> "History":
         """Train for ``epochs`` more epochs on a DataSetIterator (or a DataSet / (x, y) pair).
 
         ``validation`` (the same kinds of data) or ``validation_split`` (a fraction of the
@@ -198,6 +198,10 @@ class Model:
         per epoch, "auto" a bar on a terminal or in a notebook, else lines (``train/progress.py``).
         ``accumulate_batches`` (k): sum the gradients of k batches into each update, as
         ``set_accumulate_batches`` does (it stays set for later fits; None keeps the setting).
+        ``normalizer`` (an unfitted ``dl4py.data.normalizers`` one): fitted here on the training
+        rows only, after ``validation_split`` has held its rows out, then set on the model (as a
+        run config's ``data.normalizer``); one fitted beforehand on all of ``data`` would have
+        seen the held-out rows.
         """
         from dl4py.train.loop import fit
         from dl4py.train.progress import batches_of, console_listeners
@@ -216,6 +220,8 @@ class Model:
             iterator, validation = split_validation(iterator, validation_split)
         elif validation is not None:
             validation = as_iterator(validation, None, label=label, features=features)
+        if normalizer is not None:
+            self.set_normalizer(_fitted_on(normalizer, iterator))
         self.check_data(iterator)  # every label, before the first step rather than at a torch error
         if validation is not None:
             self.check_data(validation)  # not found wrong only after an epoch of training
@@ -435,6 +441,15 @@ class Model:
 
 
 _warned: set[str] = set()
+
+
+def _fitted_on(normalizer, training):
+    """``fit(normalizer=...)``: the normalizer fitted on the training batches (one pass)."""
+    from dl4py.data.normalizers import Normalizer
+
+    if not isinstance(normalizer, Normalizer):
+        raise TypeError(f"fit(normalizer=...) needs a dl4py Normalizer, got {type(normalizer).__name__}")
+    return normalizer.fit(training)
 
 
 def _warn_once(key: str, message: str) -> None:

@@ -26,6 +26,7 @@ from dl4py.config.recurrent import (
     RnnOutputLayer,
 )
 from dl4py.errors import DataError
+from dl4py.nn.convolution import cpu_autocast_upcasts
 
 
 class SequenceMask:
@@ -45,7 +46,13 @@ class RecurrentOp(nn.Module):
         self.masks = masks
 
     def forward(self, x):
-        out, _ = self.rnn(x)
+        if isinstance(self.rnn, nn.LSTM) and x.device.type == "cpu" and cpu_autocast_upcasts():
+            # CPU autocast sends an LSTM to oneDNN in 16 bits, which fails where the CPU has no
+            # native 16-bit kernels ("could not create a primitive descriptor"): float32 there.
+            with torch.autocast("cpu", enabled=False):
+                out, _ = self.rnn(x.float())
+        else:
+            out, _ = self.rnn(x)
         return _zero_padding(out, self.masks.current)
 
 

@@ -156,6 +156,12 @@ def check_mode_fits_model(mode: str, model) -> None:
         # to join each backward of its window: not done yet.
         raise ConfigError("training.accumulate_batches", "is not supported with training_mode 'sharded' yet: "
                                                          "use a larger batch, or the shared_gradients mode")
+    if mode == "hybrid" and model.accumulate_batches > 1:
+        # Each rank weighs its batch by its own rows, but the loss is its tensor group's over the
+        # gathered rows: a short or empty batch (an epoch's last) would weigh the same gradient
+        # differently on the ranks of one group, or divide by zero.
+        raise ConfigError("training.accumulate_batches", "is not supported with training_mode 'hybrid' yet: "
+                                                         "use a larger batch, or training_mode 'tensor'")
     if mode in ("tensor", "hybrid"):
         if model.kind != "multilayer":
             raise ConfigError("training_mode", f"{mode!r} splits the dense layers of a MultiLayerNetwork; this "

@@ -153,6 +153,7 @@ def _distributed_copy(replica, spec: WorkerSpec, device, keep_twin: bool):
         torch_model = private_copy(torch_model)  # under torchrun: never convert the program's own model
     private = replace(spec, model_file=state_of(replica), torch_model=torch_model)
     working = build_replica(private, device)
+    working.set_accumulate_batches(spec.accumulate_batches)  # the model file does not carry it either
     working.module.train()
     # Tensor and hybrid with tensor_parallel_size: data groups x tensor groups.
     shape = spec.options.mesh_shape(dist.get_world_size())

@@ -46,15 +46,22 @@ def row_blocks(weight_elements: int, total_parameters: int) -> int:
     return math.ceil(weight_elements / limit) if weight_elements > limit else 1
 
 
+def row_pieces(tensor: torch.Tensor, blocks: int) -> tuple[torch.Tensor, ...]:
+    """A split layer's tensor (a weight, a bias, or their updater state) cut into its blocks'
+    rows: as ``torch.tensor_split`` cuts, the first ``rows % blocks`` blocks one row longer
+    (40,000 rows in 3: 13,334, 13,333, 13,333). Parameters and updater state are cut here
+    alike, so each row's state lands in the block that holds the row."""
+    return torch.tensor_split(tensor, blocks, dim=0)
+
+
 class RowBlocks(nn.Module):
     """A dense layer's ``nn.Linear`` as row blocks, each its own ``nn.Linear`` (and sharding
     unit); the output is the blocks' outputs side by side, as the whole layer's would be."""
 
     def __init__(self, linear: nn.Linear, blocks: int):
         super().__init__()
-        weights = torch.tensor_split(linear.weight.detach(), blocks, dim=0)
-        biases = (torch.tensor_split(linear.bias.detach(), blocks, dim=0) if linear.bias is not None
-                  else [None] * blocks)
+        weights = row_pieces(linear.weight.detach(), blocks)
+        biases = row_pieces(linear.bias.detach(), blocks) if linear.bias is not None else [None] * blocks
         parts = []
         for weight, bias in zip(weights, biases):
             part = nn.Linear(linear.in_features, weight.shape[0], bias=bias is not None,
@@ -116,20 +123,9 @@ def plain_name(name: str, split: dict[str, int]) -> str:
     return f"{layer}.{rest.rpartition('.')[2]}" if rest and layer in split else name
 
 
-def to_blocked(state: dict[str, torch.Tensor], split: dict[str, int]) -> dict[str, torch.Tensor]:
-    """A plain state (by parameter name) with the split layers' tensors cut into row blocks."""
-    out = {}
-    for name, tensor in state.items():
-        names = blocked_names(name, split)
-        if names is None:
-            out[name] = tensor
-        else:
-            out.update(zip(names, torch.tensor_split(tensor, len(names), dim=0)))
-    return out
-
-
 def to_plain(state: dict[str, torch.Tensor], split: dict[str, int]) -> dict[str, torch.Tensor]:
-    """The inverse of ``to_blocked``: row blocks joined back into their layer's tensor."""
+    """A sharded model's state (by parameter name) under the plain names: each split
+    layer's row blocks joined back into its tensor, the inverse of ``row_pieces``."""
     out = {}
     for name in state:
         plain = plain_name(name, split)
@@ -329,7 +325,7 @@ def shard_replica(replica, mesh, twin=None) -> ShardedReplica:
                 if names_after is None:
                     blocked.setdefault(name, {})[key] = value
                 elif torch.is_tensor(value) and value.dim() > 0:
-                    for n, piece in zip(names_after, torch.tensor_split(value, len(names_after), dim=0)):
+                    for n, piece in zip(names_after, row_pieces(value, len(names_after))):
                         blocked.setdefault(n, {})[key] = piece
                 else:
                     for n in names_after:

@@ -41,6 +41,11 @@ data-parallel: after each backward every gradient (a split weight's local shard,
 parameter) is averaged over the "data" sub-mesh, over the groups that had rows. So a step is
 one update on the round's batches together, the mean of the groups' mean gradients.
 
+Accumulation (``accumulate_batches`` k): the hook runs once per window, on the summed
+gradients, so tensor mode's data groups average their window's gradients as shared-gradients
+workers do. The hybrid refuses it (``options.check_mode_fits_model``): each rank weighs its
+batch by its own rows, but the loss is its tensor group's over the gathered rows.
+
 Not yet: precisions with float32 master weights or loss scaling (``bfloat16``, ``half``,
 ``mixed-fp16``; ``distributed_state``); ``float``, ``double`` and ``mixed-bf16`` work.
 """

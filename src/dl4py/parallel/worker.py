@@ -20,6 +20,8 @@ its own batches (k rounds) before an update, which in shared-gradients mode is w
 workers average their gradients. ``averaging_frequency`` counts updates: the replicas are
 averaged every ``averaging_frequency * k`` rounds, always between updates, and the workers
 vote on stopping there too. The epoch's last round, or a stop, applies an open window first.
+Tensor mode's data groups accumulate alike; the hybrid and sharded modes refuse k > 1
+(``options.check_mode_fits_model``).
 
 Listeners and early stopping: a pool's worker 0 relays its events to the coordinator,
 which runs them (``events.py``); under torchrun, rank 0 runs the fit's listeners and the

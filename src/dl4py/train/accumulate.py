@@ -78,8 +78,10 @@ class AccumulatingStep:
         if seen and seen != expected:  # weights summed to seen / expected: back to a mean over `seen`
             with torch.no_grad():
                 grads = [g for g in self._gradients() if g is not None]
-                if grads:
-                    torch._foreach_mul_(grads, expected / seen)
+                # One foreach call per kind: a tensor-parallel model's split weights have
+                # DTensor gradients, which torch will not scale in one call with plain ones.
+                for kind in {type(g) for g in grads}:
+                    torch._foreach_mul_([g for g in grads if type(g) is kind], expected / seen)
         self.discard()
         self._update(seen > 0)
 
