@@ -20,7 +20,7 @@ OUT ?= benchmarks/results
 # Wheels carried to a machine without network (dl4py serve's starlette and uvicorn), installed beside it.
 WHEELS ?= .whl
 
-.PHONY: setup demo demo-parallel test bench soak gpu-check
+.PHONY: setup demo demo-parallel test test-quick bench soak gpu-check
 
 setup:
 	$(if $(TORCH),$(PYTHON) -m pip install -q "$(TORCH)")
@@ -32,6 +32,10 @@ demo: setup
 # The long soak tests (pytest -m soak) run with make soak.
 test: setup
 	$(PYTHON) -m pytest -q -m "not soak"
+
+# The inner loop (a few minutes): what is not slow, soak or Spark (DEVELOPERS.md).
+test-quick: setup
+	$(PYTHON) -m pytest -q -m "not slow and not soak and not spark"
 
 bench: setup
 	$(PYTHON) -m dl4py bench all
