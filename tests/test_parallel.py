@@ -177,11 +177,10 @@ def test_a_failing_worker_stops_fit_naming_it(iterator_class, detail):
     data = iterator_class(x, y, batch_size=16, shuffle=False)
     net = MultiLayerNetwork(mlp(), backend="cpu")
     before = [p.detach().clone() for p in net.init().module.parameters()]
-    started = time.monotonic()
     with pytest.raises(WorkerError, match=r"worker 1 \(device cpu\) failed") as info:
         ParallelWrapper(net, workers=2, prefetch_buffer=0).fit(data, epochs=50)
-    assert time.monotonic() - started < 30
-    assert detail in str(info.value)
+    # The worker's own error or its death, seen as such: not a peer's watchdog timing out on it.
+    assert detail in str(info.value) and "did not arrive" not in str(info.value)
     assert info.value.rank == 1
     assert multiprocessing.active_children() == [] and _children() == []
     assert all(torch.equal(a, b) for a, b in zip(before, net.module.parameters()))  # untouched
