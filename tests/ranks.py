@@ -5,7 +5,8 @@ processes, forked from the forkserver the ParallelWrapper uses (it has imported 
 dl4py, so a rank starts in a fraction of a second). Each rank first arranges to die with the
 test process (``process_guard.die_with_parent``: the kernel's parent-death signal and a
 watchdog thread), so a pytest killed mid-test leaves no rank behind. The test process waits at
-most ``timeout`` seconds; a rank that fails or does not finish is named in the AssertionError,
+most ``timeout`` seconds once the ranks are forked (a forkserver's own first start, importing
+torch, comes before); a rank that fails or does not finish is named in the AssertionError,
 with the last lines of its traceback, and every rank still running is killed before it returns.
 """
 
