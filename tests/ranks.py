@@ -12,11 +12,15 @@ with the last lines of its traceback, and every rank still running is killed bef
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import time
 import traceback
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
 
 from dl4py.parallel.processes import worker_context
 from dl4py.process_guard import die_with_parent
@@ -47,6 +51,17 @@ def run_ranks(program, args: tuple, ranks: int, timeout: float, errors: Path | N
         finally:
             _kill(processes)
     assert not problems, "; ".join(problems)
+
+
+def join_group(rank: int, world: int, rendezvous: str, device: str = "cpu") -> None:
+    """This rank in a gloo group of ``world`` met at the file ``rendezvous``. On CUDA every rank
+    is on the one GPU, as dl4py's workers sharing a device are (NCCL refuses two ranks on one
+    device); on either, one thread each (the ranks share the cores)."""
+    faulthandler.enable()  # a crash below Python (the GPU check saw SIGSEGV) shows where
+    torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
 
 
 def _guarded(program, rank: int, args: tuple, parent: int, forker: int, errors: str) -> None:

@@ -20,7 +20,7 @@ import gc
 import pytest
 import torch
 
-from dl4py.memory import measure_training_step
+from dl4py.memory import LiveTensorBytes, measure_training_step
 from dl4py.memory.measure import cuda_allocated_besides, resident_tensors
 from dl4py.train.step import make_train_step
 
@@ -62,8 +62,15 @@ def step_peak(model, features: torch.Tensor, labels: torch.Tensor, mask: torch.T
 
 
 def inference_peak(model, features: torch.Tensor) -> int:
-    """The peak bytes of ``model``'s forward pass without gradients, on a GPU (the CPU tests
-    follow live tensors themselves)."""
+    """The peak bytes of ``model``'s forward pass without gradients, on the device it was
+    built for (on a CPU the live tensor bytes, its parameters, buffers and the batch counted)."""
+    if model.device.type != "cuda":
+        module = model.init().module.eval()
+        tracker = LiveTensorBytes()
+        tracker.track(list(module.parameters()) + list(module.buffers()) + [features])
+        with torch.no_grad(), tracker:
+            module(features)
+        return tracker.peak
     release_cuda()
     module = model.init().module.eval()
     features = model.precision.convert_input(features.to(model.device))

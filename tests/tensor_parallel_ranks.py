@@ -33,6 +33,7 @@ from dl4py.parallel.tensor_parallel import apply_tensor_parallel
 from dl4py.parallel.worker import WorkerSpec
 
 from devices import backend_for  # noqa: E402
+from ranks import join_group  # noqa: E402
 from toy import toy  # noqa: E402
 
 WORLD, STEPS, BATCH = 2, 5, 32
@@ -85,16 +86,6 @@ def train(model, batches) -> None:
     device = model.backend.device
     for x, y in batches:
         model.train_step(model.prepare_input(x.to(device)), y.to(device))
-
-
-def join_group(rank: int, world: int, rendezvous: str, device: str) -> None:
-    """This rank in a gloo group: on CUDA every rank on the one GPU, as dl4py's workers sharing
-    a device are (NCCL refuses two ranks on one device)."""
-    if device == "cuda":
-        torch.cuda.set_device(0)
-    else:
-        torch.set_num_threads(1)  # the ranks share the cores
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
 
 
 def rank_1d(rank: int, rendezvous: str, out: str, batches, device: str) -> None:

@@ -12,7 +12,6 @@ What is asserted is what docs/memory.md says ("Sharded training: one rank's memo
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import tempfile
 from pathlib import Path
@@ -32,7 +31,7 @@ from dl4py.parallel.sharding import UNIT_FRACTION, shard_replica
 from dl4py.train.step import make_train_step
 
 from devices import DEVICES, backend_for
-from ranks import run_ranks
+from ranks import join_group, run_ranks
 from step_peak import release_cuda, step_peak
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,12 +93,7 @@ def case_id(network: str, batch: int) -> str:
 def _rank(rank: int, folder: str, device: str, workers: int, cases: list) -> None:
     """One rank: each case's network sharded over ``workers`` ranks, a step measured on a batch
     of its own; the peaks written to ``peaks{rank}.json`` by case."""
-    faulthandler.enable()  # a crash below Python (the GPU check saw SIGSEGV) shows where
-    torch.set_num_threads(1)
-    if device == "cuda":
-        torch.cuda.set_device(0)  # the ranks share the one GPU, so gloo: NCCL wants one GPU a rank
-    dist.init_process_group("gloo", init_method=f"file://{Path(folder) / 'rendezvous'}", rank=rank,
-                            world_size=workers)
+    join_group(rank, workers, str(Path(folder) / "rendezvous"), device)
     try:
         mesh = init_device_mesh(device, (workers,))
         peaks = {}

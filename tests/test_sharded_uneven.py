@@ -11,7 +11,6 @@ another block than the documented one.
 
 from __future__ import annotations
 
-import faulthandler
 import tempfile
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from dl4py.parallel import ParallelWrapper
 from dl4py.parallel.sharding import RowBlocks, shard_replica, split_large_linears, to_plain
 
 from devices import backend_for, on_devices, tolerance
-from ranks import run_ranks
+from ranks import join_group, run_ranks
 
 ROWS = 40_000
 BLOCK_ROWS = [13_334, 13_333, 13_333]  # tensor_split's cut: the first ROWS % 3 blocks one row longer
@@ -106,12 +105,7 @@ def _placement_rank(rank: int, folder: str, device: str) -> None:
     """One of 2 ranks: a plain model after one Adam step is sharded; each rank's shards of
     parameters and moments are the documented rows; one sharded step on each rank's own
     batch ends where the single process ends on both batches; the gathered twin is whole."""
-    faulthandler.enable()  # a crash below Python (the GPU check saw SIGSEGV) shows where
-    torch.set_num_threads(1)
-    if device == "cuda":
-        torch.cuda.set_device(0)  # both ranks share the one GPU, so gloo: NCCL wants one GPU a rank
-    dist.init_process_group("gloo", init_method=f"file://{Path(folder) / 'rendezvous'}", rank=rank,
-                            world_size=WORKERS)
+    join_group(rank, WORKERS, str(Path(folder) / "rendezvous"), device)
     try:
         mesh = init_device_mesh(device, (WORKERS,))
         x, y = toy_data()
