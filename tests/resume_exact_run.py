@@ -74,8 +74,8 @@ def network(precision: str, device: str = "cpu") -> MultiLayerNetwork:
         DropoutLayer(rate=0.25), DenseLayer(n_out=16, activation="tanh"), DenseLayer(n_out=16, activation="relu"),
         OutputLayer(n_out=3)])
     model = MultiLayerNetwork(config, backend=backend_for(device), precision=precision).init()
-    if model.scaler is not None:
-        model.scaler.load_state_dict({**model.scaler.state_dict(), "growth_interval": 4})
+    if model.precision_state.scales_loss:
+        model.precision_state.set_loss_scale(2.0**16, growth_interval=4)
     return model
 
 

@@ -26,7 +26,7 @@ from dl4py import (
 )
 from dl4py.nn.serialization import model_bytes
 from dl4py.parallel.distributed_state import full_state, load_full_state, optimizer_state_by_name, plain_twin
-from dl4py.parallel.options import ParallelOptions
+from dl4py.config.parallel import ParallelOptions
 from dl4py.parallel.preflight import own_source
 from dl4py.parallel.rank import run_rank
 from dl4py.parallel.tensor_parallel import apply_tensor_parallel

@@ -61,7 +61,7 @@ def _gap(a: MultiLayerNetwork, b: MultiLayerNetwork) -> float:
     """The largest relative gap between two networks' parameters (the float32 masters where
     there are some): max |a - b| / max |a| per parameter tensor, in float64."""
     def params(net):
-        return list((net.master.master_module if net.master is not None else net.module).parameters())
+        return list(net.stepped_module.parameters())
 
     return max(((x.double() - y.double()).abs().max() / x.double().abs().max()).item()
                for x, y in zip(params(a), params(b)))
@@ -117,7 +117,7 @@ def test_an_overflow_in_one_batch_drops_the_whole_window_under_loss_scaling(mnis
     spoiled[0, 300] = 1e6  # overflows float16 in the first layer's product
     net.train_step(x[:8], y[:8])
     net.train_step(spoiled, y[8:])
-    assert net.update_count == 0 and net.scaler.get_scale() < 2.0 ** 16  # skipped, scale lowered
+    assert net.update_count == 0 and net.precision_state.loss_scale < 2.0 ** 16  # skipped, scale lowered
     assert all(torch.equal(a, b) for a, b in zip(before, net.module.parameters()))  # not even the clean batch
     net.train_step(x[:8], y[:8])
     net.train_step(x[8:], y[8:])

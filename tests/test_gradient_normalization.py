@@ -64,7 +64,7 @@ def test_dl4j_names_are_accepted_and_stored_canonically():
 def test_under_fp16_loss_scaling_the_gradient_is_unscaled_before_clipping():
     net = _one_unit(precision="mixed-fp16", gradient_normalization="clip_element_wise_absolute_value",
                     gradient_normalization_threshold=5.0)
-    net.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)  # scaled dW is -6144: clipped, it would be 5/1024
+    net.precision_state.set_loss_scale(2.0**10)  # scaled dW is -6144: clipped, it would be 5/1024
     net.train_step(X.float(), Y.float())
     layer = net.module[0].op
     assert layer.weight.tolist() == [[5.0, 5.0]] and layer.bias.tolist() == [2.0]
@@ -90,8 +90,8 @@ def _policy_net(precision: str, mode: str, device: str, scale: float = SCALE) ->
         gradient_normalization=mode, gradient_normalization_threshold=THRESHOLD,
     )
     net = MultiLayerNetwork(config, backend=backend_for(device), precision=precision).init()
-    if net.scaler is not None:  # a known scale (the default 2**16 would overflow fp16 here)
-        net.scaler = torch.amp.GradScaler(device, init_scale=scale)
+    if net.precision_state.scales_loss:  # a known scale (the default 2**16 would overflow fp16 here)
+        net.precision_state.set_loss_scale(scale)
     return net
 
 
@@ -104,7 +104,7 @@ def _policy_batch(net):
 
 def _stepped(net) -> list[list[torch.Tensor]]:
     """Per layer, the parameters the updater steps (the float32 masters where there are some)."""
-    module = net.module if net.master is None else net.master.master_module
+    module = net.stepped_module
     return [list(layer.parameters()) for layer in module]
 
 
@@ -112,7 +112,7 @@ def _true_gradient(net, x, y) -> list[list[torch.Tensor]]:
     """Per layer, in float64, the gradient this step's backward makes: of the loss times the
     loss scale where there is one, then unscaled (a power of two: exact). Read off the module
     before the step, and cleared again."""
-    scale = SCALE if net.scaler is not None else 1.0
+    scale = SCALE if net.precision_state.scales_loss else 1.0
     net.module.zero_grad(set_to_none=True)
     with net.precision.forward_context(net.device):
         outputs = net.module(x)
@@ -158,13 +158,13 @@ def test_the_update_steps_on_the_normalized_true_gradient_in_every_precision(mod
     for layer, old, grads in zip(_stepped(net), before, expected):
         for param, b, g in zip(layer, old, grads):
             torch.testing.assert_close(param.detach().double().cpu(), (b - LR * g).cpu(), **close)
-    if net.master is not None:  # the module holds the masters, rounded
-        for low, high in zip(net.module.parameters(), net.master.master_module.parameters()):
+    if net.precision_state.keeps_masters:  # the module holds the masters, rounded
+        for low, high in zip(net.module.parameters(), net.stepped_module.parameters()):
             assert torch.equal(low, high.to(low.dtype))
     # What the test tells apart: the normalization changes the gradient, and (under loss
     # scaling) normalizing the scaled gradient would have changed it differently.
     assert _differs(expected, true, atol=0.1)
-    if net.scaler is not None:
+    if net.precision_state.scales_loss:
         scaled = [[g / SCALE for g in grads] for grads in _normalized([[g * SCALE for g in gs] for gs in true], mode)]
         assert _differs(expected, scaled, atol=0.1)
 
@@ -183,7 +183,7 @@ def test_an_overflowing_step_is_skipped_whatever_the_normalization(scale, mode, 
     before = [p.detach().clone() for p in net.module.parameters()]
     masters = [p.detach().clone() for layer in _stepped(net) for p in layer]
     net.train_step(x, y)
-    assert net.update_count == 0 and net.scaler.get_scale() == scale / 2
+    assert net.update_count == 0 and net.precision_state.loss_scale == scale / 2
     assert all(torch.equal(a, b) for a, b in zip(before, net.module.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(masters, (p for layer in _stepped(net) for p in layer)))
 

@@ -324,7 +324,7 @@ def test_two_outputs_sum_their_losses(device):
         "odd": out(["hidden"], n_out=1, loss="xent"),
     }, outputs=("digit", "odd"), updater={"type": "adam", "learning_rate": 0.01})
     net = ComputationGraph(config, backend=backend_for(device)).init()
-    x = torch.randn(64, 6)
+    x = torch.randn(64, 6, generator=torch.Generator().manual_seed(7))  # not the global generator: the order of tests moves it
     digit = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
     odd = (x[:, 2] > 0).float().unsqueeze(1)
     labels = net.pack_labels(digit, odd)
@@ -338,7 +338,8 @@ def test_two_outputs_sum_their_losses(device):
     assert net.score((x, [digit, odd])) < 0.5 * before
     digit_probs, odd_probs = net.output(x)
     assert digit_probs.shape == (64, 3) and odd_probs.shape == (64, 1)
-    assert (digit_probs.argmax(1).cpu() == digit).float().mean() > 0.8
+    accuracy = (digit_probs.argmax(1).cpu() == digit).float().mean()
+    assert accuracy > 0.8, accuracy
     with pytest.raises(DataError, match="evaluate needs a graph with one output"):
         net.evaluate((x, [digit, odd]))
 

@@ -146,11 +146,11 @@ def test_an_epoch_of_no_batches_is_an_error_not_a_finished_epoch():
 
 def test_a_resume_position_beyond_the_data_is_an_error():
     model = MultiLayerNetwork(mlp(), backend="cpu").init()
-    model.batch_in_epoch = 10  # as a checkpoint taken after batch 10 leaves it
+    model.training_state.stop_at(10)  # as a checkpoint taken after batch 10 leaves it
     with pytest.raises(DataError, match="stopped after batch 10 of epoch 0, but this data has only 6"):
         model.fit(_arrays(), epochs=1)
     assert model.batch_in_epoch == 10  # nothing trained: the position to resume from is kept
-    model.batch_in_epoch = 6  # stopped after the epoch's last batch: the epoch completes
+    model.training_state.stop_at(6)  # stopped after the epoch's last batch: the epoch completes
     assert model.fit(_arrays(), epochs=1)[0].batches == 0 and model.epoch_count == 1
 
 
@@ -248,7 +248,7 @@ def test_an_iterator_without_a_length_trains_and_resumes():
     model = MultiLayerNetwork(mlp(), backend="cpu").init()
     data = _NoLength(torch.rand(64, 784), torch.arange(64) % 10, 16)
     assert model.fit(data, epochs=1)[0].batches == 4
-    model.batch_in_epoch = 2
+    model.training_state.stop_at(2)
     assert model.fit(data, epochs=1)[0].batches == 2
 
 

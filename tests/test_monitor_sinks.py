@@ -142,7 +142,7 @@ def test_the_evaluation_record_has_the_confusion_matrix_and_per_class_scores(run
     assert len(matrix) == 10 and sum(map(sum, matrix)) == evaluation["test_examples"] == 300
     assert evaluation["class_labels"] == [str(i) for i in range(10)]
     model = load(run["dir"] / "model.dl4py")
-    from dl4py.data.from_config import make_iterators
+    from dl4py.run_data import make_iterators
 
     config = RunConfig.from_file(run["dir"] / "config.yaml")
     _, test = make_iterators(config.data, 64, config.network.input_type.example_shape())

@@ -219,7 +219,7 @@ def test_a_torch_model_names_layers_by_module_path_and_master_weights_give_the_t
                            layers=[DenseLayer(n_out=8, activation="tanh"), OutputLayer(n_out=3)])
     network = MultiLayerNetwork(config, backend="cpu", precision="bfloat16")
     network.fit((x, y), epochs=1, batch_size=16, listeners=[StatsListener(memory, frequency=2)])
-    assert network.master is not None
+    assert network.precision_state.keeps_masters
     for record in memory.updates:  # 2 from each fit
         for name, layer in record["layers"].items():
             assert layer["updates"] == pytest.approx(LR * layer["gradients"], rel=1e-4), name

@@ -1,19 +1,22 @@
 """ParallelOptions: one set of checks for the wrapper and the run config's training section,
-and DL4J's builder options that have no effect, noted instead of refused. No processes."""
+one object validated once and handed on as it is (to the wrapper, to each Spark task), and
+DL4J's builder options that have no effect, noted instead of refused. No processes."""
 
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 
-from dl4py import MultiLayerNetwork
+from dl4py import ArrayDataSetIterator, MultiLayerNetwork
 from dl4py.config.run import TrainingConfig
 from dl4py.errors import ConfigError
 from dl4py.parallel import ParallelOptions, ParallelWrapper
 from dl4py.parallel.dl4j_options import WITHOUT_EFFECT
+from dl4py.train.history import History
 
-from toy import mlp  # noqa: E402
+from toy import mlp, toy  # noqa: E402
 
 
 @pytest.mark.parametrize("values, message", [
@@ -62,3 +65,95 @@ def test_dl4j_builder_options_without_effect_are_noted_and_unknown_ones_refused(
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'averaging_freq'; its options are workers, "
                                         r"prefetch_buffer, averaging_frequency, .* \(and DL4J's use_legacy_averaging"):
         ParallelWrapper(net, averaging_freq=3)
+
+
+@pytest.fixture
+def validations(monkeypatch) -> list:
+    """Every ParallelOptions.validate call from here on, as the options it was called on."""
+    calls = []
+    validate = ParallelOptions.validate
+
+    def counted(self, where=""):
+        calls.append(self)
+        return validate(self, where)
+    monkeypatch.setattr(ParallelOptions, "validate", counted)
+    return calls
+
+
+def test_one_options_object_is_taken_as_it_is_once_validated(validations):
+    net = MultiLayerNetwork(mlp())
+    options = TrainingConfig.from_dict({"workers": 2, "averaging_frequency": 3}, "training").parallel_options()
+    assert options.validated and len(validations) == 2  # the section's own check, then the object the runner hands on
+    assert ParallelWrapper(net, options=options).options is options
+    assert len(validations) == 2
+    made = ParallelOptions(workers=2, averaging_frequency=0)  # not validated: the wrapper does it, once
+    with pytest.raises(ConfigError, match="^averaging_frequency: must be a positive integer, got 0$"):
+        ParallelWrapper(net, options=made)
+    assert validations[2:] == [made]
+    with pytest.raises(ConfigError, match="^workers: is given to ParallelWrapper twice, as a keyword and in options"):
+        ParallelWrapper(net, workers=4, options=options)
+    with pytest.raises(TypeError, match="options must be a ParallelOptions, got dict"):
+        ParallelWrapper(net, options={"workers": 2})
+
+
+class FakeSession:
+    """What SparkTrainer.fit asks of a SparkSession, without a JVM: a local[2] master."""
+
+    def __init__(self):
+        self.sparkContext = SimpleNamespace(master="local[2]", _gateway=None, defaultParallelism=2,
+                                            setJobGroup=lambda *args, **kwargs: None,
+                                            cancelJobGroup=lambda group: None)
+        settings = {"spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1"}
+        self.conf = SimpleNamespace(get=lambda key, default=None: settings.get(key, default))
+
+
+def test_a_spark_task_receives_the_drivers_options_object_validated_once_at_the_driver(monkeypatch, validations):
+    """The job crosses to the executors by cloudpickle (as TorchDistributor sends it); rank 0's
+    task builds its wrapper on what arrived. Its fit is the launched rank's, run by the Spark
+    tests: here it only notes the options it got."""
+    pytest.importorskip("pyspark.ml.torch.distributor")
+    from pyspark import cloudpickle
+
+    from dl4py.spark import SparkTrainer, task
+
+    arrived, fitted = [], []
+
+    class Distributor:  # TorchDistributor's run: the job pickled to a task, rank 0's result back
+        def __init__(self, num_processes, local_mode, use_gpu):
+            assert num_processes == 2
+
+        def run(self, train_task, job):
+            assert train_task is task.train_task
+            arrived.append(cloudpickle.loads(cloudpickle.dumps(job)))
+            return task._train(arrived[0], 0, None)
+
+    def fit(wrapper, *args, **kwargs):
+        fitted.append(wrapper.options)
+        return History()
+    monkeypatch.setattr("pyspark.ml.torch.distributor.TorchDistributor", Distributor)
+    monkeypatch.setattr(task.ParallelWrapper, "fit", fit)
+
+    trainer = SparkTrainer(MultiLayerNetwork(mlp()), 2, spark=FakeSession(), averaging_frequency=2)
+    assert len(validations) == 1 and trainer.options.validated
+    x, y = toy(64)
+    trainer.fit(ArrayDataSetIterator(x, y, batch_size=16), verbose=0)
+    received = arrived[0].options
+    assert type(received) is ParallelOptions and received == trainer.options and received.validated
+    assert fitted == [received] and fitted[0] is received  # the task's wrapper took it as it is
+    assert len(validations) == 1  # nothing validated it again, at the driver or in the task
+
+
+def test_options_that_cannot_apply_to_spark_tasks_fail_at_the_driver_in_one_line(validations):
+    """Before any session is asked for, so before any task starts."""
+    pytest.importorskip("pyspark")
+    from dl4py.spark import SparkTrainer
+
+    no_session = SimpleNamespace()  # any use would be an AttributeError
+    with pytest.raises(ConfigError) as refused:
+        SparkTrainer(MultiLayerNetwork(mlp()), 2, spark=no_session, training_mode="shared_gradients",
+                     averaging_frequency=3)
+    assert str(refused.value) == ("averaging_frequency: applies to training_mode 'averaging' only: shared_gradients "
+                                  "keeps every replica identical")
+    assert len(validations) == 1
+    with pytest.raises(ConfigError, match="^devices: applies to the ParallelWrapper, not to Spark tasks"):
+        SparkTrainer(MultiLayerNetwork(mlp()), spark=no_session, options=ParallelOptions(workers=2, devices=["cpu"]))

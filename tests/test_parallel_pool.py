@@ -154,7 +154,7 @@ def test_the_epoch_decision_is_awaited_even_after_a_stop_in_the_epochs_last_roun
     # answer would be the first one the pool's next fit reads.
     import torch.distributed as dist
 
-    from dl4py.parallel.options import ParallelOptions
+    from dl4py.config.parallel import ParallelOptions
     from dl4py.parallel.rank import run_rank
     from dl4py.parallel.sources import ShardedSource
     from dl4py.parallel.worker import WorkerSpec

@@ -124,7 +124,7 @@ def _plain_loop(twin, net, updater, x, y, epochs: int, batch: int, scaler):
 
 def _stepped(net) -> torch.nn.Module:
     """The module whose parameters the updater steps (the float32 masters where there are some)."""
-    return net.module if net.master is None else net.master.master_module
+    return net.stepped_module
 
 
 def _twin_of(net, twin: torch.nn.Sequential) -> torch.nn.Sequential:
@@ -161,7 +161,7 @@ def test_every_precision_policy_steps_as_the_pytorch_recipe(precision, device):
     with environment().temporarily(fused_optimizer="off", channels_last="off"):
         net = MultiLayerNetwork(_mlp(updater), backend=backend_for(device), precision=precision).init()
     twin = _twin_of(net, _mlp_twin())
-    scaler = torch.amp.GradScaler(device) if net.scaler is not None else None  # both at the default scale
+    scaler = torch.amp.GradScaler(device) if net.precision_state.scales_loss else None  # both at the default scale
     expected = _plain_loop(twin, net, updater, x, y, epochs=3, batch=16, scaler=scaler)
     net.fit(ArrayDataSetIterator(x, y, batch_size=16, shuffle=False), epochs=3, verbose=0)
     _compare(net, expected, device)
@@ -181,13 +181,13 @@ def test_steps_skipped_for_an_overflow_are_skipped_as_the_pytorch_recipe_skips_t
     x, y = _data(96, 6)
     with environment().temporarily(fused_optimizer="off", channels_last="off"):
         net = MultiLayerNetwork(_mlp(updater), backend=backend_for(device), precision=precision).init()
-    net.scaler = torch.amp.GradScaler(device, init_scale=2.0**24)
+    net.precision_state.set_loss_scale(2.0**24)
     scaler = torch.amp.GradScaler(device, init_scale=2.0**24)
     expected = _plain_loop(_twin_of(net, _mlp_twin()), net, updater, x, y, epochs=3, batch=16, scaler=scaler)
     net.fit(ArrayDataSetIterator(x, y, batch_size=16, shuffle=False), epochs=3, verbose=0)
     _compare(net, expected, device)
     skipped = _skipped(scaler, 2.0**24)
-    assert net.scaler.get_scale() == scaler.get_scale() and 0 < skipped < 18
+    assert net.precision_state.loss_scale == scaler.get_scale() and 0 < skipped < 18
     assert net.update_count == 18 - skipped
 
 

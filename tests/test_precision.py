@@ -100,8 +100,8 @@ def test_parameter_memory_follows_the_precision(precision, dtype, ratio, device)
     assert {p.dtype for p in net.module.parameters()} == {dtype}
     assert {p.device.type for p in net.module.parameters()} == {device}
     assert param_bytes(net) == ratio * float_bytes == ratio * 431_080 * 4
-    if net.master is not None:  # the float32 masters are the updater's, 4 bytes per parameter
-        assert sum(p.numel() * p.element_size() for p in net.master.master_module.parameters()) == float_bytes
+    if net.precision_state.keeps_masters:  # the float32 masters are the updater's, 4 bytes per parameter
+        assert sum(p.numel() * p.element_size() for p in net.stepped_module.parameters()) == float_bytes
 
 
 @on_devices
@@ -134,7 +134,7 @@ def test_master_weights_keep_updates_too_small_for_16_bits(device):
     net = model()
     x, y = torch.ones(8, 1), torch.zeros(8, dtype=torch.long)
     net.fit((x, y), epochs=100)
-    master = net.master.master_module.weight.item()
+    master = net.stepped_module.weight.item()
     assert master == pytest.approx(0.99, abs=1e-5)  # float32 sum of 100 steps
     assert net.module.weight.dtype == torch.bfloat16
     assert net.module.weight.item() == torch.tensor(master).to(torch.bfloat16).item() != 1.0
@@ -155,7 +155,7 @@ def test_half_with_loss_scaling_trains(caplog, monkeypatch, device):
         net = MultiLayerNetwork(mlp(), backend=backend_for(device), precision="half")
         before = net.score((x, y))
         net.fit((x, y), epochs=10, batch_size=32)
-    assert net.scaler is not None and net.master is not None
+    assert net.precision_state.scales_loss and net.precision_state.keeps_masters
     assert net.score((x, y)) < 0.7 * before
     assert next(net.module.parameters()).dtype == torch.float16
     # says fp16 is slow on CPUs, once; a GPU has the kernels
@@ -168,16 +168,15 @@ def test_skipped_fp16_steps_do_not_advance_the_schedule(device):
     config = mlp(updater=Nesterovs(learning_rate=0.1, schedule=StepSchedule(decay_rate=0.5, step=1)))
     net = MultiLayerNetwork(config, backend=backend_for(device), precision="mixed-fp16").init()
     # A scale this large overflows fp16 gradients: GradScaler skips and halves it each step.
-    net.scaler = torch.amp.GradScaler(device, init_scale=2.0**60)
+    net.precision_state.set_loss_scale(2.0**60)
     weights = [p.detach().clone() for p in net.module.parameters()]
     net.fit((x, y), epochs=5, batch_size=16)  # 20 minibatches, all overflowing
     assert net.iteration_count == 20 and net.update_count == 0
     assert all(torch.equal(a, b) for a, b in zip(weights, net.module.parameters()))
     assert net.optimizer.param_groups[0]["lr"] == 0.1  # the schedule stayed at step 0
-    assert net.scaler.get_scale() == 2.0**40
+    assert net.precision_state.loss_scale == 2.0**40
 
-    net.scaler = torch.amp.GradScaler(device, init_scale=2.0**8)  # sane scale: updates apply
-    net._train_step = None
+    net.precision_state.set_loss_scale(2.0**8)  # sane scale: updates apply
     net.fit((x, y), epochs=1, batch_size=16)
     assert net.update_count == 4
     assert net.optimizer.param_groups[0]["lr"] == 0.1 * 0.5**3  # set before the 4th update
@@ -185,22 +184,23 @@ def test_skipped_fp16_steps_do_not_advance_the_schedule(device):
 
 @on_devices
 @pytest.mark.parametrize("precision", ["half", "mixed-fp16"])
-def test_without_a_schedule_applied_updates_are_counted_without_waiting(precision, device):
-    # No schedule needs the count at each step, so the step adds it up on the device and
-    # update_count reads it when asked: skipped steps still do not count, nor move a weight.
+def test_without_a_schedule_skipped_steps_are_counted_and_shown_in_history(precision, device):
+    # The skipped updates are counted from the optimizer's own step (a step hook; GradScaler
+    # calls it only for an update it applies): skipped steps do not count, nor move a weight,
+    # and each epoch's record says how many there were.
     x, y = toy_data(64)
     net = MultiLayerNetwork(mlp(updater=Nesterovs(learning_rate=0.1)), backend=backend_for(device),
                             precision=precision).init()
-    net.scaler = torch.amp.GradScaler(device, init_scale=2.0**60)
+    net.precision_state.set_loss_scale(2.0**60)
     weights = [p.detach().clone() for p in net.module.parameters()]
-    net.fit((x, y), epochs=2, batch_size=16)  # 8 minibatches, all overflowing
-    assert torch.is_tensor(net.__dict__["_pending_updates"])  # nothing was read during the fit
-    assert net.update_count == 0 and net.__dict__["_pending_updates"] is None
+    history = net.fit((x, y), epochs=2, batch_size=16)  # 8 minibatches, all overflowing
+    assert net.update_count == 0 and net.precision_state.skipped_steps == 8
+    assert history.history["skipped_steps"] == [4, 4]
     assert all(torch.equal(a, b) for a, b in zip(weights, net.module.parameters()))
-    net.scaler = torch.amp.GradScaler(device, init_scale=2.0**8)
-    net._train_step = None
-    net.fit((x, y), epochs=1, batch_size=16)
-    assert net.update_count == 4 and net.iteration_count == 12
+    net.precision_state.set_loss_scale(2.0**8)
+    history = net.fit((x, y), epochs=1, batch_size=16)
+    assert net.update_count == 4 and net.iteration_count == 12 and history.history["skipped_steps"] == [0]
+    assert net.precision_state.skipped_steps == 8 and net.precision_state.skipped_in_a_row == 0
     assert not all(torch.equal(a, b) for a, b in zip(weights, net.module.parameters()))
 
 
@@ -229,11 +229,11 @@ def test_bfloat16_save_load_keeps_masters_and_resumes_exactly(tmp_path, device):
     assert resumed.precision.name == "bfloat16" and resumed.device.type == device
     assert torch.equal(resumed.output(x), first.output(x))
     resumed.fit((x, y), epochs=1, batch_size=32)
-    for a, b in zip(straight.master.master_module.parameters(), resumed.master.master_module.parameters()):
+    for a, b in zip(straight.stepped_module.parameters(), resumed.stepped_module.parameters()):
         torch.testing.assert_close(a.cpu(), b.cpu(), **tolerance(device))  # on the CPU: equal
     # Loaded as float, the float32 masters become the weights (not their bf16 roundings).
     as_float = dl4py.load(tmp_path / "bf16.dl4py", backend=backend, precision="float")
-    for a, b in zip(first.master.master_module.parameters(), as_float.module.parameters()):
+    for a, b in zip(first.stepped_module.parameters(), as_float.module.parameters()):
         assert torch.equal(a, b)
 
 

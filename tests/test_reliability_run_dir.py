@@ -177,7 +177,7 @@ def test_changed_batching_is_refused_mid_epoch_and_accepted_at_an_epoch_boundary
     assert boundary.returncode == 0, boundary.stderr
     assert "changed data or batching" in boundary.stderr and "data.limit_train" in boundary.stderr
     checkpoint = load(out / "checkpoint.dl4py")
-    checkpoint.batch_in_epoch = 3  # as a run stopped after its third batch of epoch 2 leaves it
+    checkpoint.training_state.stop_at(3)  # as a run stopped after its third batch of epoch 2 leaves it
     checkpoint.save(out / "checkpoint.dl4py")
     saved = (out / "checkpoint.dl4py").read_bytes()
     for override, key in (("training.batch_size=32", "training.batch_size is 64 in the run, 32 in this config"),

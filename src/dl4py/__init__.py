@@ -5,7 +5,7 @@ Public names are re-exported here; import from ``dl4py`` or its subpackages
 ``dl4py.backend``), nothing deeper. Importing dl4py touches no device.
 """
 
-__version__ = "0.1.0"
+from dl4py.version import __version__  # noqa: F401  (dl4py.__version__)
 
 from dl4py.backend import (
     Environment,

@@ -1,5 +1,7 @@
 """Errors dl4py raises on purpose. Each names what is wrong and where."""
 
+import errno
+
 
 class DL4PyError(Exception):
     """Base of every error dl4py raises deliberately."""
@@ -92,8 +94,6 @@ class InferenceError(DL4PyError):
 def bind_error(exc: OSError, host: str, port: int, busy_hint: str = "") -> "ConfigError | None":
     """The ConfigError for a server's socket that could not bind (``--port`` taken, ``--host``
     not an address of this machine), or None for any other failure."""
-    import errno
-
     if exc.errno == errno.EADDRINUSE:
         return ConfigError("--port", f"port {port} on {host} is already in use{busy_hint}; choose another with "
                                      "--port, or --port 0 for any free one")

@@ -71,7 +71,7 @@ class FolderLock:
         if self._fd is not None:  # held already (a second flock here would conflict with our own)
             return self
         try:
-            import fcntl
+            import fcntl  # optional: fcntl (POSIX only; elsewhere no OS lock is taken)
         except ImportError:  # not POSIX: no OS lock to take
             return self
         try:

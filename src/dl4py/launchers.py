@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from dl4py.config.parallel import ParallelOptions
 from dl4py.errors import ConfigError
 
 LAUNCHERS = ("spawn", "torchrun", "spark")
@@ -74,12 +75,12 @@ def choose_launcher(name: str | None, spark_master: str | None, config):
     return Launcher(name, spark_master), config
 
 
-def fit_on_spark(launcher: Launcher, model, options: dict, train, epochs: int, listeners: list, validation,
-                 use_gpu: bool = False):
+def fit_on_spark(launcher: Launcher, model, options: ParallelOptions, train, epochs: int, listeners: list,
+                 validation, use_gpu: bool = False):
     """The run's fit with Spark tasks as its ranks (one GPU each with ``use_gpu``: the run's
-    backend is ``gpu``); this process is the driver."""
+    backend is ``gpu``); this process is the driver, and each task receives ``options``."""
     from dl4py.spark import SparkTrainer, spark_session
 
-    with spark_session(launcher.spark_master, workers=options["workers"]) as spark:
-        trainer = SparkTrainer(model, spark=spark, use_gpu=use_gpu, **options)
+    with spark_session(launcher.spark_master, workers=options.workers) as spark:
+        trainer = SparkTrainer(model, spark=spark, use_gpu=use_gpu, options=options)
         return trainer.fit(train, epochs, listeners, validation=validation, verbose=0)  # the runner's own

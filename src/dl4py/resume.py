@@ -91,11 +91,11 @@ def resumed_message(run_dir: Path, model, saved_meta: dict, batches_per_epoch: i
     else:
         where += ", at the epoch's start"
     parts = ["weights"]
-    if model.master is not None and saved_meta["precision"] == model.precision.name:
+    if model.precision_state.keeps_masters and saved_meta["precision"] == model.precision.name:
         parts.append("float32 master weights")
     if saved_meta["has_updater"]:
         parts.append("updater state")
-    if model.scaler is not None and saved_meta.get("scaler"):
+    if model.precision_state.scales_loss and saved_meta.get("scaler"):
         parts.append("loss scale")
     if model.normalizer is not None:
         parts.append("normalizer")

@@ -16,6 +16,7 @@ from pathlib import Path
 from dl4py.errors import ConfigError, DL4PyError, StorageError
 from dl4py.folders import FolderLock, claim_new_folder
 from dl4py.io import atomic_write_json
+from dl4py.train.early_stopping import LocalFileModelSaver
 
 log = logging.getLogger("dl4py")
 
@@ -89,8 +90,6 @@ class RunRecord:
 
 
 def saved_files(run_dir: Path) -> list[str]:
-    from dl4py.train.early_stopping import LocalFileModelSaver
-
     names = (CHECKPOINT, MODEL, LocalFileModelSaver.BEST, LocalFileModelSaver.LATEST)
     return [name for name in names if (run_dir / name).is_file()]
 

@@ -22,7 +22,7 @@ import torch
 from dl4py.backend.cuda_environment import environment
 from dl4py.config.graph import example_shape
 from dl4py.config.run import DataConfig, RunConfig
-from dl4py.data.from_config import make_iterators, make_validation
+from dl4py.run_data import make_iterators, make_validation
 from dl4py.errors import ConfigError, TrainingError
 from dl4py.io import atomic_write_json, atomic_write_text
 from dl4py.launchers import choose_launcher, fit_on_spark
@@ -266,28 +266,21 @@ def _fit(model, training, train, epochs: int, listeners: list, validation, launc
         return model.fit(train, epochs=epochs, listeners=listeners, validation=validation, verbose=0)
     if epochs == 0:
         return []
-    options, worker_listeners = _parallel_options(training, listeners)
+    options = training.parallel_options()  # validated, and handed on as it is
     if launch.name == "spark":  # this process is the driver: Spark tasks are the ranks
-        return fit_on_spark(launch, model, options, train, epochs, worker_listeners, validation,
+        return fit_on_spark(launch, model, options, train, epochs, _parallel_listeners(listeners), validation,
                             use_gpu=training.backend == "gpu")
     from dl4py.parallel import ParallelWrapper
 
-    return ParallelWrapper(model, **options).fit(train, epochs=epochs, listeners=worker_listeners,
-                                                 validation=validation, verbose=0)
+    return ParallelWrapper(model, options=options).fit(train, epochs=epochs, listeners=_parallel_listeners(listeners),
+                                                       validation=validation, verbose=0)
 
 
-def _parallel_options(training, listeners: list) -> tuple[dict, list]:
-    """ParallelWrapper options from ``training``, and the listeners for the parallel fit. This
-    process runs them on worker 0's relayed events, with the model holding worker 0's averaged
-    state at each epoch's end; the speed meter is left out, as it would time the relay's
-    batches of events rather than the training."""
-    options = dict(
-        workers=training.workers, prefetch_buffer=training.prefetch_buffer,
-        averaging_frequency=training.averaging_frequency,
-        report_score_after_averaging=training.report_score_after_averaging,
-        training_mode=training.mode(), tensor_parallel_size=training.tensor_parallel_size, timeout=training.timeout,
-    )
-    return options, [l for l in listeners if not isinstance(l, PerformanceListener)]
+def _parallel_listeners(listeners: list) -> list:
+    """The listeners for a parallel fit. This process runs them on worker 0's relayed events,
+    with the model holding worker 0's averaged state at each epoch's end; the speed meter is
+    left out, as it would time the relay's batches of events rather than the training."""
+    return [l for l in listeners if not isinstance(l, PerformanceListener)]
 
 
 def _fit_early_stopping(model, config: RunConfig, train, validation, test, run_dir: Path, listeners: list):
@@ -325,8 +318,8 @@ def _fit_early_stopping(model, config: RunConfig, train, validation, test, run_d
     )
     if training.workers == 1:
         return EarlyStoppingTrainer(es_config, model, train, listeners=listeners).fit(verbose=0)
-    options, worker_listeners = _parallel_options(training, listeners)
-    trainer = EarlyStoppingParallelTrainer(es_config, model, train, listeners=worker_listeners, **options)
+    trainer = EarlyStoppingParallelTrainer(es_config, model, train, listeners=_parallel_listeners(listeners),
+                                           options=training.parallel_options())
     return trainer.fit(verbose=0)
 
 

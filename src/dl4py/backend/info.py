@@ -11,6 +11,7 @@ from dl4py.backend.cuda_environment import VARIABLES, environment
 from dl4py.backend.precision import get_default_dtype
 from dl4py.backend.selection import cuda_unavailable_reason, get_backend_choice, resolve_backend
 from dl4py.errors import BackendError
+from dl4py.version import __version__
 
 
 def collect_info() -> dict:
@@ -44,7 +45,7 @@ def collect_info() -> dict:
         "cuda_unavailable_reason": cuda_unavailable_reason(),
         "devices": devices,
         "versions": {
-            "dl4py": __import__("dl4py").__version__,
+            "dl4py": __version__,
             "torch": torch.__version__,
             "cuda": torch.version.cuda,
             "cudnn": cudnn,

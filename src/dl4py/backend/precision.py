@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dl4py.backend.precision_state import DEFAULT_MAX_SKIPPED_STEPS, PrecisionState
 from dl4py.errors import BackendError
 
 _ALIASES = {
@@ -39,6 +40,9 @@ _default_name = "float"
 @dataclass(frozen=True)
 class Precision:
     name: str
+    # Under loss scaling: updates skipped for overflowing gradients, in a row, that stop
+    # training with an error naming the loss scale (0: never stop). See precision_state.py.
+    max_skipped_steps: int = DEFAULT_MAX_SKIPPED_STEPS
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -75,10 +79,10 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(device_type=device.type, dtype=self.autocast_dtype)
 
-    def make_scaler(self, device: torch.device):
-        if not self.uses_loss_scaling:
-            return None
-        return torch.amp.GradScaler(device.type)
+    def bind(self, module: torch.nn.Module, device: torch.device) -> PrecisionState:
+        """This policy's state for a built module (float32 where masters are kept, as the
+        optimizer steps it): masters, loss scaler, skipped steps."""
+        return PrecisionState(self, module, device, self.max_skipped_steps)
 
     def __str__(self) -> str:
         return self.name
@@ -87,7 +91,7 @@ class Precision:
 def resolve_precision(name: str | Precision | None = None) -> Precision:
     """Policy for ``name``; None means the process default (``set_default_dtype``)."""
     if isinstance(name, Precision):
-        return name
+        return name  # a policy object travels as itself (to a parallel worker), settings and all
     if name is None:
         return Precision(_default_name)
     canonical = _ALIASES.get(str(name).lower()) if isinstance(name, str) else None

@@ -16,6 +16,7 @@ from typing import Mapping
 
 import torch
 
+from dl4py.backend.cuda_environment import environment
 from dl4py.errors import BackendError
 
 log = logging.getLogger("dl4py")
@@ -81,8 +82,6 @@ def cuda_unavailable_reason() -> str | None:
 def _first_permitted_gpu() -> torch.device:
     # The environment's device list decides, and asking it does not initialise CUDA, so
     # allocator settings can still be applied after the choice.
-    from dl4py.backend.cuda_environment import environment
-
     devices = environment().usable_cuda_devices()
     if not devices:
         raise BackendError("no CUDA device is permitted by the environment's device list")

@@ -54,9 +54,15 @@ class Shape:
 
 
 class Layer(TaggedConfig):
+    """A layer type: registered by its type name (``@Layer.register("dense")``); its module
+    builder and memory rule register under the same name (``config/registry.py``)."""
+
     registry: ClassVar[dict[str, type]] = {}
     type_name: ClassVar[str | None] = None
     has_params: ClassVar[bool] = False
+    # It may take a sequence [time, size]: any other layer after a recurrent one is an error
+    # naming it (NetworkConfig's sequence rules).
+    takes_sequences: ClassVar[bool] = False
 
     def output_shape(self, shape: Shape, where: str) -> Shape:
         """Shape this layer produces from ``shape``; ConfigError when it cannot take it."""
@@ -253,6 +259,7 @@ class DropoutLayer(Layer):
     """Zeroes each activation with probability ``rate`` while training (PyTorch's meaning;
     DL4J's ``dropOut(p)`` takes the probability of *keeping* it, i.e. ``1 - rate``)."""
 
+    takes_sequences: ClassVar[bool] = True  # each step's activations alike
     rate: float = 0.5
 
     def validate(self, where: str) -> None:
@@ -282,6 +289,3 @@ class GlobalPoolingLayer(Layer):
     def output_shape(self, shape: Shape, where: str) -> Shape:
         _need_cnn(self, shape, where)
         return Shape("ff", (shape.dims[0],))
-
-
-LAYER_TYPES = tuple(Layer.registry.values())

@@ -12,7 +12,7 @@ windows follow DL4J's "truncate" convolution mode. Modules: ``nn/layers_extra.py
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 from dl4py.config.layers import (
     Activation,
@@ -27,16 +27,11 @@ from dl4py.config.layers import (
     _ParamLayer,
     _show,
 )
+from dl4py.config.recurrent import need_sequences
 from dl4py.config.schema import join
 from dl4py.errors import ConfigError
 
 Padding4 = tuple[int, int, int, int]
-
-
-def _need_sequences(layer: Layer, shape: Shape, where: str) -> None:
-    from dl4py.config.recurrent import need_sequences  # recurrent.py imports this module
-
-    need_sequences(layer, shape, where)
 
 
 def _window_1d(shape: Shape, where: str, kernel: int, stride: int, padding: int, dilation: int) -> int | None:
@@ -61,6 +56,7 @@ class Convolution1DLayer(_ParamLayer):
     ``[time, size] -> [time', n_out]``. ``kernel_size``, ``stride``, ``padding`` and
     ``dilation`` are single numbers (steps)."""
 
+    takes_sequences: ClassVar[bool] = True
     n_out: int
     kernel_size: int = 3
     stride: int = 1
@@ -77,7 +73,7 @@ class Convolution1DLayer(_ParamLayer):
         _check_l2(self, where)
 
     def output_shape(self, shape: Shape, where: str) -> Shape:
-        _need_sequences(self, shape, where)
+        need_sequences(self, shape, where)
         time = _window_1d(shape, where, self.kernel_size, self.stride, self.padding, self.dilation)
         return Shape("rnn", (time, self.n_out))
 
@@ -88,6 +84,7 @@ class Subsampling1DLayer(Layer):
     """DL4J's ``Subsampling1DLayer``: max or average pooling along the time axis,
     ``[time, size] -> [time', size]``."""
 
+    takes_sequences: ClassVar[bool] = True
     pooling_type: Literal["max", "avg"] = "max"
     kernel_size: int = 2
     stride: int = 2
@@ -103,7 +100,7 @@ class Subsampling1DLayer(Layer):
             )
 
     def output_shape(self, shape: Shape, where: str) -> Shape:
-        _need_sequences(self, shape, where)
+        need_sequences(self, shape, where)
         time = _window_1d(shape, where, self.kernel_size, self.stride, self.padding, 1)
         return Shape("rnn", (time, shape.dims[1]))
 
@@ -200,6 +197,7 @@ class LayerNormalization(_ParamLayer):
     convolutional input (a gain and bias per channel, as ``nn.GroupNorm(1, c)``). Shapes
     do not change. Its gain and bias take no L2, as batch normalization's."""
 
+    takes_sequences: ClassVar[bool] = True
     eps: float = 1e-5
 
     def validate(self, where: str) -> None:
@@ -223,6 +221,7 @@ class SelfAttentionLayer(_ParamLayer):
     must equal ``n_in``, and ``n_out`` must equal ``n_in``. Padded steps (the batch's mask)
     are never attended to, and their outputs are zero."""
 
+    takes_sequences: ClassVar[bool] = True
     n_out: int
     n_heads: int = 1
     head_size: Optional[int] = None
@@ -246,7 +245,7 @@ class SelfAttentionLayer(_ParamLayer):
         return (self.n_out if self.project_input else n_in) // self.n_heads
 
     def output_shape(self, shape: Shape, where: str) -> Shape:
-        _need_sequences(self, shape, where)
+        need_sequences(self, shape, where)
         n_in = shape.dims[1]
         if not self.project_input:
             if self.n_out != n_in:
@@ -268,10 +267,3 @@ class SelfAttentionLayer(_ParamLayer):
                     f"heads split the input, of size {n_in}",
                 )
         return Shape("rnn", (shape.dims[0], self.n_out))
-
-
-# Layers a sequence may go into (config/recurrent.TAKES_SEQUENCES includes these).
-SEQUENCE_LAYERS = (Convolution1DLayer, Subsampling1DLayer, LayerNormalization, SelfAttentionLayer)
-# Every layer of this module: nn/layers_extra.py builds their modules, memory/layer_ops_extra.py
-# estimates them.
-EXTRA_LAYERS = SEQUENCE_LAYERS + (Upsampling2D, Deconvolution2D, ZeroPaddingLayer)

@@ -177,14 +177,13 @@ def _first_shape(input_type: InputType, first: Layer) -> Shape:
 
 def _check_sequence_rules(layer: Layer, index: int, shape: Shape, where: str) -> None:
     """Sequences go only into layers that take them; embeddings take the network's input."""
-    from dl4py.config.layers import DropoutLayer
-    from dl4py.config.recurrent import TAKES_SEQUENCES, EmbeddingLayer, EmbeddingSequenceLayer
+    from dl4py.config.recurrent import EmbeddingLayer, EmbeddingSequenceLayer
 
     layer = unfrozen(layer)
     if index > 0 and isinstance(layer, (EmbeddingLayer, EmbeddingSequenceLayer)):
         raise ConfigError(where, f"{layer.type_name} takes integer indices from the network's input: it "
                                  f"must be the first layer (it is layer {index})")
-    if shape.kind == "rnn" and not isinstance(layer, TAKES_SEQUENCES + (DropoutLayer,)):
+    if shape.kind == "rnn" and not layer.takes_sequences:
         raise ConfigError(
             where,
             f"{layer.type_name} cannot take recurrent input [time, size] (shape {shape}): "

@@ -21,7 +21,6 @@ from dl4py.config.layers import (
     _check_positive,
     _ParamLayer,
 )
-from dl4py.config.layers_extra import SEQUENCE_LAYERS as _MORE_SEQUENCE_LAYERS
 from dl4py.config.schema import join
 from dl4py.errors import ConfigError
 
@@ -43,6 +42,7 @@ class _RecurrentLayer(_ParamLayer):
     (cuDNN's) kernels have tanh only, DL4J's default, so that is the one choice; the
     network's default activation does not apply here."""
 
+    takes_sequences: ClassVar[bool] = True
     n_out: int
     activation: Optional[Literal["tanh"]] = None
     weight_init: Optional[WeightInit] = None
@@ -80,6 +80,7 @@ class LastTimeStep(Layer):
     layer: Layer
 
     has_params: ClassVar[bool] = True  # the wrapped layer's
+    takes_sequences: ClassVar[bool] = True
 
     def validate(self, where: str) -> None:
         if not isinstance(self.layer, _RecurrentLayer):
@@ -99,6 +100,8 @@ class RnnOutputLayer(OutputLayer):
     """DL4J's ``RnnOutputLayer``: a dense layer and a loss at every time step. Labels are
     ``[batch, time]`` class indices or ``[batch, time, n_out]`` targets; with a mask the
     loss is the mean over real steps only."""
+
+    takes_sequences: ClassVar[bool] = True
 
     def output_shape(self, shape: Shape, where: str) -> Shape:
         if shape.kind != "rnn":
@@ -150,12 +153,8 @@ class EmbeddingLayer(_Embedding):
 class EmbeddingSequenceLayer(_Embedding):
     """DL4J's ``EmbeddingSequenceLayer``: one index per step -> a sequence of vectors."""
 
+    takes_sequences: ClassVar[bool] = True
+
     def output_shape(self, shape: Shape, where: str) -> Shape:
         _need_indices(self, shape, where, "rnn")
         return Shape("rnn", (shape.dims[0], self.n_out))
-
-
-# Layers a sequence may go into; any other after a recurrent layer is an error naming it.
-TAKES_SEQUENCES = (LSTM, GRU, LastTimeStep, RnnOutputLayer, EmbeddingSequenceLayer) + _MORE_SEQUENCE_LAYERS
-# Layers whose modules nn/recurrent.py builds (RnnOutputLayer is a dense layer per step).
-SEQUENCE_MODULES = (LSTM, GRU, LastTimeStep, EmbeddingLayer, EmbeddingSequenceLayer)

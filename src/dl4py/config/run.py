@@ -19,6 +19,7 @@ import yaml
 
 from dl4py.config.graph import GraphConfig, network_from_dict
 from dl4py.config.network import NetworkConfig
+from dl4py.config.parallel import ParallelOptions
 from dl4py.config.schema import ConfigBase, TaggedConfig, dataclass_from_dict, join
 from dl4py.config.yaml_loader import ConfigSyntaxError, load_json, load_yaml
 from dl4py.errors import ConfigError
@@ -235,7 +236,7 @@ class TrainingConfig(ConfigBase):
                 if getattr(self, name) != inert:
                     raise ConfigError(join(where, name), "applies to parallel training only: set training.workers > 1")
         self.mode(where)
-        self.parallel_options().validate(where)  # the ParallelWrapper's own checks, under this section's keys
+        self.parallel_options(where)  # the ParallelWrapper's own checks, under this section's keys
 
     def mode(self, where: str = "training") -> str:
         """The training mode ``parallelism`` names, else ``training_mode``."""
@@ -254,15 +255,15 @@ class TrainingConfig(ConfigBase):
         raise ConfigError(key, f"per kind of layer, dl4py trains {{conv: data, dense: tensor}} (the hybrid) or "
                                f"{{conv: data, dense: data}}; got {plan!r}")
 
-    def parallel_options(self):
-        """The ParallelWrapper's options this section sets (its defaults for the rest)."""
-        from dl4py.parallel.options import ParallelOptions
-
+    def parallel_options(self, where: str = "training") -> ParallelOptions:
+        """The parallel trainers' options this section sets (their defaults for the rest),
+        validated (an error names the key under ``where``): the object the runner hands to
+        the ParallelWrapper or the SparkTrainer, as it is."""
         return ParallelOptions(workers=self.workers, prefetch_buffer=self.prefetch_buffer,
                                averaging_frequency=self.averaging_frequency,
                                report_score_after_averaging=self.report_score_after_averaging,
-                               training_mode=self.mode(), tensor_parallel_size=self.tensor_parallel_size,
-                               timeout=self.timeout)
+                               training_mode=self.mode(where), tensor_parallel_size=self.tensor_parallel_size,
+                               timeout=self.timeout).validate(where)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from dl4py.data.batch_stream import BatchesIterator, LoaderIterator
 from dl4py.data.columns import cell_explainer, dict_arrays, first_non_finite, frame_arrays
@@ -98,8 +99,6 @@ def _arrays(x, y, batch_size, shuffle, seed) -> ArrayDataSetIterator:
 
 
 def _torch_dataset(data, shuffle, label, features, order) -> DataSetIterator:
-    from torch.utils.data import DataLoader, IterableDataset, RandomSampler
-
     if isinstance(data, IterableDataset):
         if shuffle:
             raise ValueError(

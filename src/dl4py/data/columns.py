@@ -7,6 +7,7 @@ regression target ``[n, 1]``, several label columns a float target ``[n, k]``.
 
 from __future__ import annotations
 
+import importlib
 import math
 from typing import Callable
 
@@ -25,8 +26,6 @@ Explain = Callable[[int, "str | None"], str]
 
 def optional_import(module: str, extra: str, what: str):
     """Import an optional dependency, or raise a DataError naming the extra to install."""
-    import importlib
-
     try:
         mod = importlib.import_module(module)
     except ImportError:  # also when sys.modules[module] is None (how tests simulate absence)

@@ -48,7 +48,8 @@ def dataset_fits(nbytes: int, device, free_bytes: int | None = None, step_bytes:
 
 
 def _free_bytes(device: torch.device) -> int:
-    from dl4py.memory.capacity import device_memory
+    # memory.capacity -> memory.estimate -> nn.model -> dl4py.data, whose __init__ imports this module
+    from dl4py.memory.capacity import device_memory  # cycle: dl4py.data imports this module
 
     return device_memory(device).bytes  # free CUDA memory, within any max_device_cache
 

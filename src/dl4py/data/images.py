@@ -80,7 +80,7 @@ def _header_size(image_module, path) -> tuple[int, int] | None:
 
 def _pillow():
     try:
-        from PIL import Image
+        from PIL import Image  # optional: PIL (extra data)
     except ImportError:
         raise DataError('reading image folders needs Pillow: pip install "dl4py[data]"') from None
     return Image

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dl4py.data.dataset import DataSet
 from dl4py.errors import DataError
 
 __all__ = [
@@ -301,8 +302,6 @@ class _MinMax:
 
 def _feature_batches(data):
     """The feature tensors of ``data``: an iterator's batches, a DataSet's, or one array."""
-    from dl4py.data.dataset import DataSet
-
     if isinstance(data, DataSet):
         yield data.features
     elif isinstance(data, (torch.Tensor, np.ndarray)):

@@ -6,6 +6,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from dl4py.eval.evaluation import Evaluation
+from dl4py.eval.regression import RegressionEvaluation
+from dl4py.eval.roc import ROC, ROCMultiClass
+
 __all__ = ["REGRESSION_LOSSES", "is_regression_loss", "new_evaluation", "new_roc"]
 
 # DL4J's regression LossFunctions, by the names a config may spell them (case and
@@ -41,16 +45,11 @@ def new_evaluation(model, labels: torch.Tensor | None = None):
     """An empty ``RegressionEvaluation`` for a model trained with a regression loss, else an
     ``Evaluation``. Class-index ``labels`` (integers) mean classification whatever the loss:
     a classifier trained with MSE on one-hot rows is evaluated on its classes."""
-    from dl4py.eval.evaluation import Evaluation
-    from dl4py.eval.regression import RegressionEvaluation
-
     class_indices = labels is not None and not labels.is_floating_point()
     return RegressionEvaluation() if is_regression_loss(output_loss(model)) and not class_indices else Evaluation()
 
 
 def new_roc(outputs: torch.Tensor, threshold_steps: int):
     """``ROC`` for one or two output columns, ``ROCMultiClass`` (one-vs-all) for more."""
-    from dl4py.eval.roc import ROC, ROCMultiClass
-
     columns = 1 if outputs.dim() == 1 else outputs.shape[1]
     return ROC(threshold_steps) if columns <= 2 else ROCMultiClass(threshold_steps)

@@ -26,6 +26,7 @@ import torch
 from dl4py.errors import DataError, MissingDependencyError
 from dl4py.export.wrapper import InferenceModule
 from dl4py.io import atomic_write_bytes
+from dl4py.nn.serialization import model_bytes
 
 FORMATS = ("onnx", "torchscript", "safetensors")
 SUFFIXES = {"onnx": ".onnx", "torchscript": ".pt", "safetensors": ".weights.dl4py"}
@@ -103,9 +104,7 @@ _TRAINING_ONLY = ("updater.json", "updater.safetensors", "master.safetensors", "
 
 
 def _weights_only(model, path: Path) -> None:
-    from dl4py.nn.serialization import model_bytes
-
-    if getattr(model, "config", None) is None:
+    if not model.signature().from_config:
         raise DataError("the weights-only file rebuilds a network from its config; a TorchModel has none "
                         "(save it with model.save(path, save_updater=False))")
     full = zipfile.ZipFile(io.BytesIO(model_bytes(model, save_updater=False)))

@@ -20,6 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
+from dl4py.config.input_type import Convolutional, InputType
+from dl4py.data.csv import _read_table  # the CSV reader's own parsing and line-and-column errors
+from dl4py.data.images import EXTENSIONS, read_image
 from dl4py.errors import DataError
 
 
@@ -31,9 +34,10 @@ class PredictInput:
     names: list[str] = field(default_factory=list)
 
 
-def read_input(path, example_shape: tuple[int, ...], input_type=None, *, label_index: int = -1,
+def read_input(path, example_shape: tuple[int, ...], input_type: InputType | None = None, *, label_index: int = -1,
                skip_lines: int = 0, delimiter: str = ",") -> PredictInput:
-    """The examples in ``path`` (CSV, ``.npy`` or an image folder), shaped for the model."""
+    """The examples in ``path`` (CSV, ``.npy`` or an image folder), shaped for the model.
+    ``input_type``: the model's one input (``model.signature().input_type``), for image folders."""
     path = Path(path)
     if path.is_dir():
         return _images(path, example_shape, input_type)
@@ -56,8 +60,6 @@ def _npy(path: Path) -> np.ndarray:
 
 
 def _csv(path: Path, example_shape, label_index: int, skip_lines: int, delimiter: str) -> np.ndarray:
-    from dl4py.data.csv import _read_table  # the CSV reader's own parsing and line-and-column errors
-
     table = _read_table(path, skip_lines, delimiter)
     width = math.prod(example_shape)
     columns = table.shape[1]
@@ -90,12 +92,10 @@ def _shaped(array: np.ndarray, example_shape, path: Path) -> np.ndarray:
 
 
 def _images(root: Path, example_shape, input_type) -> PredictInput:
-    from dl4py.data.images import EXTENSIONS, read_image
-
-    height, width, channels = (getattr(input_type, name, None) for name in ("height", "width", "channels"))
-    if None in (height, width, channels):
-        kind = getattr(input_type, "type_name", None) or "several inputs"
+    if not isinstance(input_type, Convolutional):  # convolutional_flat too: images read, then flattened
+        kind = "several inputs" if input_type is None else input_type.type_name
         raise DataError(f"{root}: an image folder needs a model with a convolutional input, this one takes {kind}")
+    height, width, channels = input_type.height, input_type.width, input_type.channels
     files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in EXTENSIONS)
     if not files:
         raise DataError(f"{root}: holds no images ({', '.join(EXTENSIONS)})")

@@ -60,13 +60,10 @@ class InferenceModule(nn.Module):
 
 def example_shape(model) -> tuple[int, ...]:
     """One example's shape as the data carries it (several graph inputs: one packed row)."""
-    config = getattr(model, "config", None)
-    if config is None:
+    shape = model.signature().input_shape
+    if shape is None:
         raise DataError(f"a {type(model).__name__} has no config to read its input shape from; "
                         "export works on a MultiLayerNetwork or a ComputationGraph")
-    from dl4py.config.graph import example_shape as shape_of
-
-    shape = tuple(shape_of(config))
     if None in shape:
         raise DataError("the network takes sequences of any length; exporting and dl4py predict need "
                         "a fixed input shape (give the recurrent input its length)")

@@ -25,6 +25,7 @@ import torch
 from dl4py.errors import ConfigError, DataError, InferenceError
 from dl4py.inference.replicas import make_replicas
 from dl4py.inference.requests import ReplicaPool, Request, RequestQueue
+from dl4py.nn.model import _as_tensor, as_iterator
 
 MODES = ("batched", "sequential", "inplace")
 # How long close() waits for a replica's thread to finish the forward pass it is in.
@@ -54,6 +55,7 @@ class ParallelInference:
                                           or queue_timeout < 0):
             raise ConfigError("queue_timeout", f"must be seconds >= 0 or None, got {queue_timeout!r}")
         self.model = model
+        self._signature = model.signature()  # read once: how to pack inputs and split outputs
         self.inference_mode = inference_mode
         self.batch_limit = batch_limit if inference_mode == "batched" else 1
         self.queue_limit, self.queue_timeout = queue_limit, queue_timeout
@@ -83,7 +85,7 @@ class ParallelInference:
         fit the network; InferenceError when the queue stays full or this is closed."""
         if self._closed:
             raise InferenceError("ParallelInference is closed: it takes no more requests")
-        x = _features(self.model, features)
+        x = _features(self.model, self._signature, features)
         self.model.check_features(x, "ParallelInference.output(features)")
         if x.shape[0] == 0:  # what Model.output gives for no examples
             return torch.empty(0, device=self.model.backend.device)
@@ -93,7 +95,7 @@ class ParallelInference:
             request = Request(x)
             self._queue.put(request, self.queue_timeout)
             predictions = request.future.result()
-        return _as_model_returns(self.model, predictions)
+        return _as_model_returns(self._signature, predictions)
 
     def _inplace(self, x: torch.Tensor) -> torch.Tensor:
         replica = self._pool.borrow(self.queue_timeout)
@@ -169,12 +171,9 @@ def _shut_down(queue, pool, threads) -> None:
             thread.join(JOIN_SECONDS)
 
 
-def _features(model, features) -> torch.Tensor:
+def _features(model, signature, features) -> torch.Tensor:
     """``features`` as one tensor, as ``Model.output`` reads them."""
-    from dl4py.nn.model import _as_tensor, as_iterator
-
-    config = getattr(model, "config", None)
-    if isinstance(features, (list, tuple)) and hasattr(model, "pack_inputs") and len(getattr(config, "inputs", ())) > 1:
+    if isinstance(features, (list, tuple)) and signature.several_inputs:
         features = model.pack_inputs(*features)  # a graph's several inputs
     if not isinstance(features, (torch.Tensor, np.ndarray)):
         batches = [b.features for b in as_iterator(features, None, labelled=False)]
@@ -184,13 +183,11 @@ def _features(model, features) -> torch.Tensor:
     return _as_tensor(features, "ParallelInference.output(features)")
 
 
-def _as_model_returns(model, predictions: torch.Tensor):
+def _as_model_returns(signature, predictions: torch.Tensor):
     """A graph with several outputs returns one tensor per output, as its ``output`` does."""
-    outputs = getattr(model, "config", None)
-    layers = outputs.output_layers() if hasattr(outputs, "output_layers") else None
-    if layers is None or len(layers) == 1:
+    if len(signature.outputs) == 1:
         return predictions
-    return list(torch.split(predictions, [layer.n_out for layer in layers], dim=1))
+    return list(torch.split(predictions, [output.size for output in signature.outputs], dim=1))
 
 
 class _Stats:

@@ -1,10 +1,10 @@
 """``Model.predict`` and ``predict_proba``: ``output`` as numpy, classes for a classifier.
 
 A model is a regressor when its output's loss is a regression loss (mse, l1, ...: the
-same test ``evaluate`` uses to choose ``RegressionEvaluation``); else a classifier, whose
-prediction is the class with the highest output, or for a one-column output (a sigmoid's
-probability of class 1) whether it reaches 0.5. A graph with several outputs gives a
-list, one array per output, each judged by its own loss.
+same test ``evaluate`` uses to choose ``RegressionEvaluation``), as ``model.signature()``
+tells per output; else a classifier, whose prediction is the class with the highest output,
+or for a one-column output (a sigmoid's probability of class 1) whether it reaches 0.5. A
+graph with several outputs gives a list, one array per output, each judged by its own loss.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dl4py.eval.select import is_regression_loss, output_loss
 from dl4py.nn.model import as_iterator
 
 # As Model.output: at most this many examples in one forward pass.
@@ -31,35 +30,28 @@ def predict(model, data, batch_size: int | None, label=None):
     """Class indices (int64, one per example, or per step of a sequence) for a classifier's
     output, the output values for a regressor's."""
     outputs = predict_proba(model, data, batch_size, label)
+    signature = model.signature()
     if isinstance(outputs, list):
-        return [_decide(o, loss) for o, loss in zip(outputs, _losses(model))]
-    return _decide(outputs, _losses(model)[0])
+        return [_decide(o, output.classifier) for o, output in zip(outputs, signature.outputs)]
+    return _decide(outputs, signature.classifier)
 
 
 def _features(model, data, batch_size: int | None, label):
     """Arrays (and a graph's list of arrays) as they are; other data's features, read in its
     own batches unless ``batch_size`` is given (an iterator or a DataLoader takes none)."""
-    several_inputs = len(getattr(getattr(model, "config", None), "inputs", ())) > 1
+    several_inputs = model.signature().several_inputs
     if isinstance(data, (torch.Tensor, np.ndarray)) or (several_inputs and isinstance(data, list)):
         return data
     batches = [b.features for b in as_iterator(data, batch_size, label=label, labelled=False)]
     return torch.cat(batches) if batches else torch.empty(0)
 
 
-def _decide(values: np.ndarray, loss) -> np.ndarray:
-    if is_regression_loss(loss):
+def _decide(values: np.ndarray, classifier: bool) -> np.ndarray:
+    if not classifier:
         return values
     if values.ndim == 1 or values.shape[-1] == 1:  # one column: the probability of class 1
         return (values.reshape(values.shape[:-1] if values.ndim > 1 else values.shape) >= 0.5).astype(np.int64)
     return values.argmax(axis=-1).astype(np.int64)
-
-
-def _losses(model) -> list:
-    """The loss of each output: a graph's output layers', else the one ``output_loss`` finds."""
-    config = getattr(model, "config", None)
-    if hasattr(config, "output_layers"):
-        return [getattr(layer, "loss", None) for layer in config.output_layers()]
-    return [output_loss(model)]
 
 
 def _numpy(tensor: torch.Tensor) -> np.ndarray:

@@ -17,6 +17,7 @@ import logging
 
 import torch
 
+from dl4py.backend.cuda_environment import environment
 from dl4py.errors import ConfigError
 from dl4py.memory.capacity import DeviceMemory, device_memory, max_batch_size
 from dl4py.memory.estimate import estimate
@@ -69,12 +70,8 @@ def training_budget(memory: DeviceMemory, device: torch.device, workers: int = 1
 def _workers_per_device(device: torch.device, workers: int) -> int:
     if device.type != "cuda":
         return workers  # CPU workers share the machine's memory
-    from dl4py.backend.cuda_environment import environment
-
     return -(-workers // max(len(environment().usable_cuda_devices()), 1))  # placed round-robin over the GPUs
 
 
 def _data_may_live_on_device() -> bool:
-    from dl4py.backend.cuda_environment import environment
-
     return environment().device_data != "off"

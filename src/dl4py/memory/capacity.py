@@ -13,11 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
+from dl4py.backend.cuda_environment import device_cache_limit, environment
 from dl4py.backend.environment_settings import parse_size
 from dl4py.backend.precision import resolve_precision
 from dl4py.config.updaters import Nesterovs, Updater
 from dl4py.errors import BackendError, ConfigError
 from dl4py.memory.estimate import CUDA_CONTEXT_BYTES, estimate
+from dl4py.parallel.sharding import UNIT_FRACTION
 
 
 def bytes_per_parameter(precision: str = "float", updater: Updater | None = None, gradients: bool = True) -> int:
@@ -67,8 +69,6 @@ def max_parameters(
     per_parameter = bytes_per_parameter(precision, updater, gradients)
     if shards == 1:
         return (memory - reserved) // per_parameter
-    from dl4py.parallel.sharding import UNIT_FRACTION
-
     policy = resolve_precision(precision)
     value = torch.empty((), dtype=policy.param_dtype).element_size()
     stepped = 4 if policy.master_weights else value
@@ -185,8 +185,6 @@ def _context_still_due(free: int, total: int, beyond_budget: int, index: int) ->
 def _within_cache_limit(usable: int, total: int, index: int) -> int:
     """Of ``usable`` bytes (free, and cached unused), what this process may still take under
     the environment's max_device_cache, which bounds what its allocator reserves."""
-    from dl4py.backend.cuda_environment import device_cache_limit, environment
-
     cap = environment().max_device_cache
     if cap is None:
         return usable

@@ -151,7 +151,7 @@ def estimate(
     if parallelism == "sharded":
         if not training:
             raise ConfigError("parallelism", "sharded is a way to train; estimate inference with single")
-        from dl4py.memory.sharded import estimate_sharded
+        from dl4py.memory.sharded import estimate_sharded  # cycle: dl4py.memory.sharded imports this module
 
         return estimate_sharded(config, batch_size, workers, precision, updater, device, optimizer,
                                 data_bytes, as_measured)

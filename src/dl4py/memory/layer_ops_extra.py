@@ -1,4 +1,5 @@
-"""Memory rules of the layers in ``config/layers_extra.py``, for ``operations.py``.
+"""Memory rules of the layers in ``config/layers_extra.py``, registered under their type names
+(``config/registry.py``) for ``operations.layer_ops``.
 
 Each layer is a short chain of ``Op``s, with what autograd saves for backward as PyTorch's
 derivative formulas have it (``derivatives.yaml``): a 1-D convolution or a transposed one
@@ -15,63 +16,71 @@ masked batch adds the mask's multiplications.
 
 from __future__ import annotations
 
-from dl4py.config.layers_extra import (
-    Convolution1DLayer,
-    Deconvolution2D,
-    LayerNormalization,
-    SelfAttentionLayer,
-    Subsampling1DLayer,
-    Upsampling2D,
-    ZeroPaddingLayer,
-)
+from dl4py.config.network import LayerShapes
+from dl4py.config.registry import LAYERS
+from dl4py.memory.op import Op, activation_ops, param_sizes, weight_decay
 from dl4py.memory.sequence_ops import elements
 
+# Rules (config/registry.py): (layer, index, LayerShapes, defaults, device) -> its Ops, per example.
 
-def extra_layer_ops(layer, index: int, shapes, config, l2: float, op_type, activation_ops) -> list:
-    """The Ops of one of ``config/layers_extra.py``'s layers. ``shapes`` has ``input`` and
-    ``output`` (config.layers.Shape); ``l2`` is its weights' decay; ``op_type`` is
-    operations.Op and ``activation_ops(index, name, elements)`` operations' activation rule."""
-    Op = op_type
+
+@LAYERS.memory_rule("convolution1d")
+def _convolution1d(layer, index: int, shapes: LayerShapes, config, device: str) -> list[Op]:
+    n_out = elements(shapes.output, config)
+    weights = shapes.input.dims[1] * layer.n_out * layer.kernel_size
+    params = param_sizes(weights, layer.n_out if layer.has_bias else 0, weight_decay(layer, config))
+    conv = Op(index, "conv1d", n_out, True, False, params=params, autocast=True, upcast_on_cpu=True)
+    return [conv, _contiguous(index, n_out)] + activation_ops(index, layer.activation or config.activation, n_out)
+
+
+@LAYERS.memory_rule("subsampling1d")
+def _subsampling1d(layer, index: int, shapes: LayerShapes, config, device: str) -> list[Op]:
+    n_out = elements(shapes.output, config)
+    if layer.pooling_type == "max":  # int64 indices of each maximum, kept for backward
+        return [Op(index, "max_pool1d", n_out, True, False, extra_bytes=8.0 * n_out), _contiguous(index, n_out)]
+    return [Op(index, "avg_pool1d", n_out, True, False), _contiguous(index, n_out)]
+
+
+@LAYERS.memory_rule("upsampling2d")
+def _upsampling2d(layer, index: int, shapes: LayerShapes, config, device: str) -> list[Op]:
+    return [Op(index, "upsample_nearest2d", elements(shapes.output, config), False, False)]
+
+
+@LAYERS.memory_rule("zero_padding")
+def _zero_padding(layer, index: int, shapes: LayerShapes, config, device: str) -> list[Op]:
+    return [Op(index, "constant_pad_nd", elements(shapes.output, config), False, False)]
+
+
+@LAYERS.memory_rule("deconvolution2d")
+def _deconvolution2d(layer, index: int, shapes: LayerShapes, config, device: str) -> list[Op]:
+    n_out = elements(shapes.output, config)
+    kh, kw = layer.kernel_size
+    weights = shapes.input.dims[0] * layer.n_out * kh * kw
+    params = param_sizes(weights, layer.n_out if layer.has_bias else 0, weight_decay(layer, config))
+    deconv = Op(index, "conv_transpose2d", n_out, True, False, params=params, autocast=True, upcast_on_cpu=True)
+    return [deconv] + activation_ops(index, layer.activation or config.activation, n_out)
+
+
+@LAYERS.memory_rule("layer_normalization")
+def _layer_normalization(layer, index: int, shapes: LayerShapes, config, device: str) -> list[Op]:
     n_in, n_out = elements(shapes.input, config), elements(shapes.output, config)
-    if isinstance(layer, Convolution1DLayer):
-        weights = shapes.input.dims[1] * layer.n_out * layer.kernel_size
-        params = ((weights, l2),) + (((layer.n_out, 0.0),) if layer.has_bias else ())
-        conv = Op(index, "conv1d", n_out, True, False, params=params, autocast=True, upcast_on_cpu=True)
-        return [conv, _contiguous(index, n_out, Op)] + activation_ops(
-            index, layer.activation or config.activation, n_out)
-    if isinstance(layer, Subsampling1DLayer):
-        if layer.pooling_type == "max":  # int64 indices of each maximum, kept for backward
-            return [Op(index, "max_pool1d", n_out, True, False, extra_bytes=8.0 * n_out), _contiguous(index, n_out, Op)]
-        return [Op(index, "avg_pool1d", n_out, True, False), _contiguous(index, n_out, Op)]
-    if isinstance(layer, Upsampling2D):
-        return [Op(index, "upsample_nearest2d", n_out, False, False)]
-    if isinstance(layer, ZeroPaddingLayer):
-        return [Op(index, "constant_pad_nd", n_out, False, False)]
-    if isinstance(layer, Deconvolution2D):
-        kh, kw = layer.kernel_size
-        weights = shapes.input.dims[0] * layer.n_out * kh * kw
-        params = ((weights, l2),) + (((layer.n_out, 0.0),) if layer.has_bias else ())
-        deconv = Op(index, "conv_transpose2d", n_out, True, False, params=params, autocast=True, upcast_on_cpu=True)
-        return [deconv] + activation_ops(
-            index, layer.activation or config.activation, n_out)
-    if isinstance(layer, LayerNormalization):
-        kind = shapes.input.kind
-        features = shapes.input.dims[0] if kind == "cnn" else shapes.input.dims[-1]
-        rows = n_in // shapes.input.dims[-1] if kind == "rnn" else 1  # one per step, or per example
-        # Its mean and inverse deviation per row (float32), kept for backward. No L2 (as batch norm).
-        return [Op(index, "group_norm" if kind == "cnn" else "layer_norm", n_out, True, False,
-                   extra_bytes=8.0 * rows, params=((features, 0.0), (features, 0.0)))]
-    if isinstance(layer, SelfAttentionLayer):
-        return _attention_ops(layer, index, shapes, n_in, n_out, l2, Op)
-    raise TypeError(f"the memory estimator has no rule for layer type {type(layer).__name__}")
+    kind = shapes.input.kind
+    features = shapes.input.dims[0] if kind == "cnn" else shapes.input.dims[-1]
+    rows = n_in // shapes.input.dims[-1] if kind == "rnn" else 1  # one per step, or per example
+    # Its mean and inverse deviation per row (float32), kept for backward. No L2 (as batch norm).
+    return [Op(index, "group_norm" if kind == "cnn" else "layer_norm", n_out, True, False,
+               extra_bytes=8.0 * rows, params=((features, 0.0), (features, 0.0)))]
 
 
-def _contiguous(index: int, n_out: int, Op):
+def _contiguous(index: int, n_out: int) -> Op:
     """The copy that turns a 1-D window's [batch, size, time] result into [batch, time, size]."""
     return Op(index, "contiguous", n_out, False, False)
 
 
-def _attention_ops(layer, index: int, shapes, n_in: int, n_out: int, l2: float, Op) -> list:
+@LAYERS.memory_rule("self_attention")
+def _self_attention(layer, index: int, shapes: LayerShapes, config, device: str) -> list[Op]:
+    n_in, n_out = elements(shapes.input, config), elements(shapes.output, config)
+    l2 = weight_decay(layer, config)
     size = shapes.input.dims[1]
     time = n_in // size
     heads = layer.n_heads * layer.resolved_head_size(size)

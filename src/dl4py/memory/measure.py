@@ -28,6 +28,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from dl4py.train.step import make_train_step
+
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # a torch built without distributed: no DTensor can exist
@@ -117,8 +119,6 @@ def measure_training_step(model, features: torch.Tensor, labels: torch.Tensor, w
     that rank: its shards, its batch and what it gathers (``follow_resizes``). Every rank
     must call it, as every rank takes part in each step's collectives.
     """
-    from dl4py.train.step import make_train_step
-
     model.init()
     step = make_train_step(model)
     features = model.precision.convert_input(features.to(model.device))
@@ -150,9 +150,9 @@ def resident_tensors(model) -> list[torch.Tensor]:
     """What a model keeps between steps: parameters, buffers, gradients, masters, updater state."""
     tensors = list(model.module.parameters()) + list(model.module.buffers())
     tensors += [p.grad for p in model.module.parameters() if p.grad is not None]
-    if model.master is not None:
-        tensors += list(model.master.master_module.parameters())
-        tensors += [p.grad for p in model.master.master_module.parameters() if p.grad is not None]
+    if model.precision_state.keeps_masters:
+        tensors += list(model.stepped_module.parameters())
+        tensors += [p.grad for p in model.stepped_module.parameters() if p.grad is not None]
     for state in model.optimizer.state.values():
         tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
     return tensors

@@ -1,4 +1,5 @@
-"""Memory rules of the recurrent and embedding layers (config/recurrent.py), for operations.py.
+"""Memory rules of the recurrent and embedding layers (config/recurrent.py), registered under
+their type names (``config/registry.py``) for ``operations.layer_ops``.
 
 Per example, a sequence of ``time`` steps (the input type's ``length``: an estimate needs
 one; a variable-length input is estimated at the length it is given) costs ``time`` times a
@@ -27,9 +28,13 @@ per-step count (15h float32 values for an LSTM, 8h for a GRU, no input copy).
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 from dl4py.config.layers import Shape
-from dl4py.config.recurrent import GRU, LSTM, EmbeddingLayer, EmbeddingSequenceLayer, LastTimeStep, RnnOutputLayer
+from dl4py.config.network import LayerShapes
+from dl4py.config.registry import LAYERS
 from dl4py.errors import ConfigError
+from dl4py.memory.op import Op, param_sizes, weight_decay
 
 
 def steps(config) -> int:
@@ -51,45 +56,80 @@ def elements(shape: Shape, config) -> int:
     return shape.size
 
 
-def sequence_ops(layer, index: int, shapes, config, l2: float, op_type, device: str = "cuda") -> list:
-    """The Ops of one recurrent or embedding layer (``op_type`` is operations.Op) on ``device``."""
-    n_in, n_out = elements(shapes.input, config), elements(shapes.output, config)
-    if isinstance(layer, LastTimeStep):
-        inner = sequence_ops(layer.layer, index, _Shapes(shapes.input, layer.layer.output_shape(shapes.input, "")),
-                             config, l2, op_type, device)
-        return inner + [op_type(index, "last_time_step", n_out, False, False)]
-    if isinstance(layer, (LSTM, GRU)):
-        gates = 4 if isinstance(layer, LSTM) else 3
-        h, size = layer.n_out, shapes.input.dims[1]
-        time = n_out // h
-        params = ((gates * h * size, l2), (gates * h * h, l2), (gates * h, 0.0), (gates * h, 0.0))
-        # The result times the batch's mask (kept by the multiply): a second output.
-        mask = op_type(index, "mask", n_out, False, False, time_major=device == "cpu")
-        if device == "cpu":
-            rnn = _cpu_lstm if isinstance(layer, LSTM) else _cpu_gru
-            return rnn(op_type, index, time, size, h, params) + [mask]
-        # cuDNN: saved per step for backward and the backward kernels' temporaries, float32:
-        # 15h for an LSTM, 8h for a GRU (measured on a CPU before its kernels were modelled).
-        saved = 4.0 * time * (15 if isinstance(layer, LSTM) else 8) * h
-        return [op_type(index, layer.type_name, n_out, True, True, extra_bytes=saved, params=params), mask]
-    if isinstance(layer, (EmbeddingLayer, EmbeddingSequenceLayer)):
-        indices = 8.0 * (n_in)  # the int64 indices, kept for the weight's gradient
-        ops = [op_type(index, "embedding", n_out, False, False, extra_bytes=indices,
-                       params=((layer.vocab_size * layer.n_out, l2),))]
-        if isinstance(layer, EmbeddingSequenceLayer):
-            ops.append(op_type(index, "mask", n_out, False, False))
-        return ops
-    if isinstance(layer, RnnOutputLayer):
-        size = shapes.input.dims[1]
-        params = ((size * layer.n_out, l2),) + (((layer.n_out, 0.0),) if layer.has_bias else ())
-        return [op_type(index, "linear", n_out, True, False, params=params, autocast=True)]
-    raise TypeError(f"the memory estimator has no rule for layer type {type(layer).__name__}")
+# Rules (config/registry.py): (layer, index, LayerShapes, defaults, device) -> its Ops, per example.
 
 
-def _time_major_copy(op_type, index: int, time: int, size: int):
+@LAYERS.memory_rule("last_time_step")
+def _last_time_step(layer, index: int, shapes: LayerShapes, config, device: str) -> list[Op]:
+    inner = layer.layer
+    inner_shapes = LayerShapes(index, inner, shapes.input, inner.output_shape(shapes.input, ""))
+    ops = LAYERS.memory_rule_for(inner)(inner, index, inner_shapes, config, device)
+    return ops + [Op(index, "last_time_step", elements(shapes.output, config), False, False)]
+
+
+class _Cell(NamedTuple):
+    """What differs between an LSTM and a GRU here."""
+
+    gates: int  # weight blocks
+    cpu_rule: Callable[..., list[Op]]  # its CPU kernel's Ops: _cpu_lstm or _cpu_gru
+    # cuDNN: saved per step and unit for backward and the backward kernels' temporaries,
+    # float32 (measured on a CPU before its kernels were modelled).
+    cudnn_floats: int
+
+
+@LAYERS.memory_rule("lstm")
+def _lstm(layer, index: int, shapes: LayerShapes, config, device: str) -> list[Op]:
+    return _recurrent_ops(layer, index, shapes, config, device, _Cell(4, _cpu_lstm, 15))
+
+
+@LAYERS.memory_rule("gru")
+def _gru(layer, index: int, shapes: LayerShapes, config, device: str) -> list[Op]:
+    return _recurrent_ops(layer, index, shapes, config, device, _Cell(3, _cpu_gru, 8))
+
+
+def _recurrent_ops(layer, index: int, shapes: LayerShapes, config, device: str, cell: _Cell) -> list[Op]:
+    n_out = elements(shapes.output, config)
+    h, size = layer.n_out, shapes.input.dims[1]
+    time = n_out // h
+    l2, gates = weight_decay(layer, config), cell.gates
+    params = ((gates * h * size, l2), (gates * h * h, l2), (gates * h, 0.0), (gates * h, 0.0))
+    # The result times the batch's mask (kept by the multiply): a second output.
+    mask = Op(index, "mask", n_out, False, False, time_major=device == "cpu")
+    if device == "cpu":
+        return cell.cpu_rule(index, time, size, h, params) + [mask]
+    saved = 4.0 * time * cell.cudnn_floats * h
+    return [Op(index, layer.type_name, n_out, True, True, extra_bytes=saved, params=params), mask]
+
+
+@LAYERS.memory_rule("embedding")
+def _embedding(layer, index: int, shapes: LayerShapes, config, device: str) -> list[Op]:
+    return [_lookup(layer, index, shapes, config)]
+
+
+@LAYERS.memory_rule("embedding_sequence")
+def _embedding_sequence(layer, index: int, shapes: LayerShapes, config, device: str) -> list[Op]:
+    # The looked-up vectors times the batch's mask: a second output.
+    return [_lookup(layer, index, shapes, config), Op(index, "mask", elements(shapes.output, config), False, False)]
+
+
+def _lookup(layer, index: int, shapes: LayerShapes, config) -> Op:
+    indices = 8.0 * elements(shapes.input, config)  # the int64 indices, kept for the weight's gradient
+    return Op(index, "embedding", elements(shapes.output, config), False, False, extra_bytes=indices,
+              params=((layer.vocab_size * layer.n_out, weight_decay(layer, config)),))
+
+
+@LAYERS.memory_rule("rnn_output")
+def _rnn_output(layer, index: int, shapes: LayerShapes, config, device: str) -> list[Op]:
+    """A dense layer at each step: its weights are the step's size by n_out."""
+    size = shapes.input.dims[1]
+    params = param_sizes(size * layer.n_out, layer.n_out if layer.has_bias else 0, weight_decay(layer, config))
+    return [Op(index, "linear", elements(shapes.output, config), True, False, params=params, autocast=True)]
+
+
+def _time_major_copy(index: int, time: int, size: int):
     """``input.transpose(0, 1).contiguous()``: a copy (a view where the input is an LSTM's or
     GRU's result, time-major already); its backward hands the gradient on."""
-    return op_type(index, "time_major_copy", time * size, False, False, input_gradient="same")
+    return Op(index, "time_major_copy", time * size, False, False, input_gradient="same")
 
 
 def _good_ld(width: int) -> int:
@@ -98,7 +138,7 @@ def _good_ld(width: int) -> int:
     return ld + 16 if ld % 256 == 0 else ld
 
 
-def _cpu_lstm(op_type, index: int, time: int, size: int, h: int, params) -> list:
+def _cpu_lstm(index: int, time: int, size: int, h: int, params) -> list:
     """oneDNN's LSTM (PyTorch's ``mkldnn_rnn_layer``) in training: what it saves, in float32
     values per example; its workspace parts are each page aligned (``set_offsets``)."""
     states = _good_ld(max(size, h))  # the states' rows hold the input's or the output's width
@@ -109,29 +149,24 @@ def _cpu_lstm(op_type, index: int, time: int, size: int, h: int, params) -> list
                  2 * (time + 1) * states,  # diff states, of the layer
                  2 * (time + 1) * states,  # ... of the iteration
                  2 * (time + 1) * h)  # ... of the cell
-    return [_time_major_copy(op_type, index, time, size),
+    return [_time_major_copy(index, time, size),
             # It also keeps the zero initial h and c, and the final h and c.
-            op_type(index, "mkldnn_lstm", time * h, True, True, extra_bytes=4.0 * 4 * h, params=params,
-                    aligned_bytes=tuple(4.0 * w for w in workspace), aligned_to=4096,
-                    backward_scratch_elements=2 * h,  # the gradients of the initial h and c
-                    fused_backward=True, time_major=True)]
+            Op(index, "mkldnn_lstm", time * h, True, True, extra_bytes=4.0 * 4 * h, params=params,
+               aligned_bytes=tuple(4.0 * w for w in workspace), aligned_to=4096,
+               backward_scratch_elements=2 * h,  # the gradients of the initial h and c
+               fused_backward=True, time_major=True)]
 
 
-def _cpu_gru(op_type, index: int, time: int, size: int, h: int, params) -> list:
+def _cpu_gru(index: int, time: int, size: int, h: int, params) -> list:
     """ATen's GRU on a CPU (``_rnn_impl`` over ``GRUCell``s): the input's projection for every
     step at once, then one cell per step."""
     weights_ih, weights_hh, bias_ih, bias_hh = params
-    return [_time_major_copy(op_type, index, time, size),
+    return [_time_major_copy(index, time, size),
             # x @ W_ih^T, then + b_ih: a new tensor; the product is gone after the addition.
-            op_type(index, "gru_input_projection", time * 3 * h, True, False, params=(weights_ih, bias_ih)),
+            Op(index, "gru_input_projection", time * 3 * h, True, False, params=(weights_ih, bias_ih)),
             # Per step: the gates (3h, updated in place) and four h-sized results; the zero
             # initial h. All saved for backward, and freed step by step in backward, which
             # stacks the projection's gradient while each step's part (3h) is alive.
-            op_type(index, "gru_cells", time * h, False, False, extra_bytes=4.0 * (7 * h * time + h),
-                    params=(weights_hh, bias_hh), backward_scratch_elements=3 * h * time,
-                    stepwise_backward=True, time_major=True)]
-
-
-class _Shapes:
-    def __init__(self, input: Shape, output: Shape):
-        self.input, self.output = input, output
+            Op(index, "gru_cells", time * h, False, False, extra_bytes=4.0 * (7 * h * time + h),
+               params=(weights_hh, bias_hh), backward_scratch_elements=3 * h * time,
+               stepwise_backward=True, time_major=True)]

@@ -45,9 +45,24 @@ from dl4py.backend.precision import resolve_precision
 from dl4py.config.graph import GraphConfig
 from dl4py.errors import ConfigError
 from dl4py.memory import replay
+from dl4py.memory.estimate import (
+    _ALLOCATOR_GRANULE,
+    CUDA_CONTEXT_BYTES,
+    MAX_TENSOR_ELEMENTS,
+    MemoryReport,
+    _buffer_bytes,
+    _cublas_workspace,
+    _largest_tensor_per_example,
+    _layer_rows,
+    _network,
+    _Sizes,
+)
 from dl4py.memory.step_graph import chain_graph
 from dl4py.memory.timeline import Timeline
 from dl4py.memory.updater_memory import update_temporaries
+from dl4py.nn.builder import build_module
+from dl4py.nn.optimizers import param_groups
+from dl4py.parallel.sharding import row_blocks
 
 # Units alive at once, at most, in a training step's backward (the unit's unsharded
 # parameters and full gradient, the next unit's all-gather output, the previous unit's
@@ -88,10 +103,6 @@ def sharding_layout(network) -> list[Unit]:
     layer's ``nn.Linear`` over 1/UNIT_FRACTION of the parameters in ``row_blocks`` blocks
     of rows (``torch.tensor_split``), every other layer with parameters whole. Built on the
     meta device: nothing is allocated."""
-    from dl4py.nn.builder import build_module
-    from dl4py.nn.optimizers import param_groups
-    from dl4py.parallel.sharding import row_blocks
-
     with torch.device("meta"):
         module = build_module(network, torch.Generator())
     l2 = {id(p): group["weight_decay"] for group in param_groups(network, module) for p in group["params"]}
@@ -277,19 +288,6 @@ def estimate_sharded(config, batch_size: int, workers: int, precision: str | Non
         report = estimate(mlp, 128, parallelism="sharded", workers=2)
         print(report.peak_bytes / 2**20, "MiB per rank")
     """
-    from dl4py.memory.estimate import (
-        _ALLOCATOR_GRANULE,
-        CUDA_CONTEXT_BYTES,
-        MAX_TENSOR_ELEMENTS,
-        MemoryReport,
-        _buffer_bytes,
-        _cublas_workspace,
-        _largest_tensor_per_example,
-        _layer_rows,
-        _network,
-        _Sizes,
-    )
-
     network, run_precision = _network(config)
     if isinstance(network, GraphConfig):
         raise ConfigError("parallelism", "the sharded memory estimate covers MultiLayerNetwork configs; "

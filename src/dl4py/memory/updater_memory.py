@@ -13,8 +13,12 @@ one in foreach (after it has freed the decayed copy); RMSProp's ``sqrt(v)`` one.
 
 from __future__ import annotations
 
+import torch
+
+from dl4py.backend.cuda_environment import environment
 from dl4py.config.updaters import Adam, AdamW, Nesterovs, RmsProp, Sgd, Updater
 from dl4py.errors import ConfigError
+from dl4py.nn.optimizers import optimizer_kernel
 
 IMPLEMENTATIONS = ("loop", "foreach", "fused")
 
@@ -23,11 +27,6 @@ def optimizer_implementation(requested: str, updater: Updater, device_type: str,
     """The implementation a model built now would use (``auto``: what the environment's
     ``fused_optimizer`` setting picks for this updater and device), or the one requested."""
     if requested == "auto":
-        import torch
-
-        from dl4py.backend.cuda_environment import environment
-        from dl4py.nn.optimizers import optimizer_kernel
-
         return optimizer_kernel(environment().fused_optimizer, updater, torch.device(device_type), loss_scaling)
     if requested not in IMPLEMENTATIONS:
         raise ConfigError("optimizer", f"must be auto or one of {', '.join(IMPLEMENTATIONS)}, got {requested!r}")

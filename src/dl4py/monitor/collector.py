@@ -30,6 +30,7 @@ import torch
 from dl4py.monitor.layers import model_layers
 from dl4py.train.history import current_learning_rate
 from dl4py.train.listeners import TrainingListener, _Count, _passes
+from dl4py.train.step import forward_function
 
 
 class StatsCollector(TrainingListener):
@@ -162,8 +163,6 @@ def _abs_sum(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _compiled(model) -> bool:
-    from dl4py.train.step import forward_function
-
     try:
         return forward_function(model) is not model.module
     except Exception:  # a setting the step itself refuses (cuda_graphs on a CPU): it says why
@@ -182,7 +181,7 @@ def process_rss_bytes() -> int | None:
     """This process's resident memory now: psutil where installed, else /proc (Linux), else
     the peak resident size the OS reports (``resource``)."""
     try:
-        import psutil
+        import psutil  # optional: psutil (in no extra: /proc or resource answer without it)
     except ImportError:
         pass
     else:
@@ -193,7 +192,7 @@ def process_rss_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     try:
-        import resource
+        import resource  # optional: resource (POSIX only)
     except ImportError:  # Windows without psutil
         return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dl4py.nn.signature import MULTILAYER
+
 
 @dataclass
 class Layer:
@@ -33,11 +35,10 @@ class Layer:
 def model_layers(model) -> list[Layer]:
     """The layers of an initialised ``model``, in forward order."""
     forward_root = model.module
-    stepped_root = model.master.master_module if model.master is not None else forward_root
-    config = getattr(model, "config", None)
-    if config is not None and isinstance(forward_root, nn.Sequential):
+    stepped_root = model.stepped_module
+    if model.signature().model == MULTILAYER and isinstance(forward_root, nn.Sequential):
         return [Layer(f"{index}_{type(layer).__name__}", list(stepped.parameters()), forward)
-                for index, (layer, stepped, forward) in enumerate(zip(config.layers, stepped_root, forward_root))]
+                for index, (layer, stepped, forward) in enumerate(zip(model.config.layers, stepped_root, forward_root))]
     forward_modules = dict(forward_root.named_modules())
     layers, seen = [], set()
     for name, module in stepped_root.named_modules():

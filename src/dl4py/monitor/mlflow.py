@@ -25,6 +25,7 @@ from pathlib import Path
 from dl4py.errors import ConfigError, MissingDependencyError
 from dl4py.monitor.scalars import epoch_scalars, evaluation_scalars, update_scalars
 from dl4py.monitor.storage import StatsStorage
+from dl4py.train.loop import TrainingInterrupted
 
 log = logging.getLogger("dl4py")
 
@@ -57,7 +58,7 @@ class MLflowStatsStorage(StatsStorage):
     def __init__(self, tracking_uri: str | None = None, experiment: str = "dl4py", run_name: str | None = None,
                  params: dict | None = None, run_id: str | None = None, tags: dict | None = None):
         _require_mlflow()
-        from mlflow.tracking import MlflowClient
+        from mlflow.tracking import MlflowClient  # optional: mlflow (extra mlflow)
 
         self.client = MlflowClient(tracking_uri)
         self.tracking_uri = self.client.tracking_uri
@@ -117,7 +118,7 @@ class MLflowStatsStorage(StatsStorage):
         """Log ``params`` flattened (``training.batch_size``). A key the run has already is
         kept as it is: MLflow refuses to change a param (a resumed run with another value logs
         a warning instead)."""
-        from mlflow.entities import Param
+        from mlflow.entities import Param  # optional: mlflow (extra mlflow)
 
         logged = self.client.get_run(self.run_id).data.params
         new = []
@@ -159,7 +160,7 @@ class MLflowStatsStorage(StatsStorage):
             self.end(FINISHED if kind is None else KILLED if _interrupted(exc) else FAILED)
 
     def _queue(self, scalars: list[tuple[str, float]], step: int) -> None:
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # optional: mlflow (extra mlflow)
 
         now = int(time.time() * 1000)
         self._pending += [Metric(metric_key(name), value, now, int(step)) for name, value in scalars]
@@ -167,7 +168,7 @@ class MLflowStatsStorage(StatsStorage):
 
 def _require_mlflow() -> None:
     try:
-        import mlflow  # noqa: F401
+        import mlflow  # optional: mlflow (extra mlflow)  # noqa: F401
     except ImportError:  # also when sys.modules["mlflow"] is None
         raise MissingDependencyError("MLflow logging", "mlflow", "mlflow") from None
 
@@ -175,7 +176,7 @@ def _require_mlflow() -> None:
 def _experiment_id(client, name: str) -> str:
     """The id of experiment ``name``, created if missing (by whichever of two runs starting
     together gets there first)."""
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # optional: mlflow (extra mlflow)
 
     experiment = client.get_experiment_by_name(name)
     if experiment is None:
@@ -192,8 +193,6 @@ def _experiment_id(client, name: str) -> str:
 
 
 def _interrupted(exc) -> bool:
-    from dl4py.train.loop import TrainingInterrupted
-
     return isinstance(exc, (KeyboardInterrupt, TrainingInterrupted))
 
 

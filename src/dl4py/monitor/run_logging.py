@@ -16,10 +16,15 @@ import logging
 from pathlib import Path
 
 from dl4py.errors import ConfigError, DL4PyError
+from dl4py.eval import Evaluation
 from dl4py.io import atomic_write_json
+from dl4py.monitor.mlflow import MLflowStatsStorage
+from dl4py.monitor.report import write_report
 from dl4py.monitor.runs import read_json
 from dl4py.monitor.stats import METRICS_FILE, StatsListener
 from dl4py.monitor.storage import FileStatsStorage
+from dl4py.monitor.tensorboard import TensorBoardStatsStorage
+from dl4py.train.loop import TrainingInterrupted
 
 log = logging.getLogger("dl4py")
 
@@ -40,8 +45,6 @@ class RunLogging:
         self.storages = [FileStatsStorage(self.run_dir / METRICS_FILE)]
         try:
             if primary and section.tensorboard is not False:
-                from dl4py.monitor.tensorboard import TensorBoardStatsStorage
-
                 self.tensorboard = TensorBoardStatsStorage(tensorboard_dir(section, self.run_dir))
                 self.storages.append(self.tensorboard)
             if primary and section.mlflow is not None:
@@ -70,8 +73,6 @@ class RunLogging:
     def end(self, exc: BaseException) -> None:
         """The run stopped on ``exc``: close the storages, the MLflow run KILLED (an
         interruption) or FAILED. Never raises: the run's own error is the one to tell."""
-        from dl4py.train.loop import TrainingInterrupted
-
         try:
             self._close("KILLED" if isinstance(exc, (KeyboardInterrupt, TrainingInterrupted)) else "FAILED")
         except Exception as error:
@@ -94,8 +95,6 @@ def tensorboard_dir(section, run_dir: Path) -> Path:
 def _open_mlflow(section, run_dir: Path, config, resumed: bool):
     """The run's MLflow run: the one ``mlflow.json`` names when resuming against the same
     tracking URI and experiment, else a new one (recorded there)."""
-    from dl4py.monitor.mlflow import MLflowStatsStorage
-
     where = {"tracking_uri": section.mlflow, "experiment": section.mlflow_experiment}
     recorded = read_json(run_dir / MLFLOW_RECORD) if resumed else None
     run_id = recorded.get("run_id") if recorded and all(recorded.get(k) == v for k, v in where.items()) else None
@@ -125,8 +124,6 @@ def _write_report(run_dir: Path) -> None:
     """``report.html``. The run has completed and its results are saved: a report that
     cannot be drawn is a warning, not a failed run."""
     try:
-        from dl4py.monitor.report import write_report
-
         write_report(run_dir)
     except Exception as exc:
         log.warning("could not write %s (%s: %s)", run_dir / "report.html", type(exc).__name__, exc)
@@ -136,8 +133,6 @@ def class_fields(evaluation) -> dict:
     """A classification's per-class figures for ``metrics.jsonl``'s "evaluation" record: the
     confusion matrix (rows actual, columns predicted), class names, and each class's
     precision and recall (null where undefined: never predicted, resp. no examples)."""
-    from dl4py.eval import Evaluation
-
     if not isinstance(evaluation, Evaluation) or evaluation.num_examples() == 0:
         return {}
     classes = range(evaluation.num_classes)

@@ -24,9 +24,14 @@ from pathlib import Path
 
 import yaml
 
+from dl4py.config import RunConfig
 from dl4py.errors import ConfigError
 from dl4py.monitor.bounded import (MAX_FILE_BYTES, MAX_LINE_BYTES, MAX_TEXT_BYTES, SERIES_POINTS, Series,
                                    lines_before, read_capped, size_text, whole_lines)
+from dl4py.nn.summary import summary_table
+from dl4py.sweep import results as sweep_results
+from dl4py.sweep.plan import Plan, short_keys
+from dl4py.sweep.runner import OUTCOMES
 
 log = logging.getLogger("dl4py")
 
@@ -194,9 +199,6 @@ class RunFolder:
             self._model = {}
         if self._model is None and config_readable:
             try:
-                from dl4py.config import RunConfig
-                from dl4py.nn.summary import summary_table
-
                 table, parameters = summary_table(RunConfig.from_file(self.path / "config.yaml").network)
                 self._model = {"summary": table, "parameters": parameters}
             except Exception:  # a config this version cannot build: the page shows the config text
@@ -229,8 +231,6 @@ class SweepFolder:
     """A sweep folder: its plan, the ranked table as ``results.csv`` has it, one RunFolder per experiment."""
 
     def __init__(self, path: Path):
-        from dl4py.sweep.plan import Plan
-
         self.path = Path(path)
         too_big: dict[str, str] = {}
         data = read_json(self.path / SWEEP_FILE, too_big)
@@ -239,35 +239,26 @@ class SweepFolder:
         except (TypeError, KeyError, ValueError, AttributeError):
             why = f" ({too_big[SWEEP_FILE]})" if too_big else ""
             raise ConfigError(str(self.path / SWEEP_FILE), f"cannot be read as a sweep plan{why}") from None
-        short = _short_keys(self.plan.keys)
+        short = short_keys(self.plan.keys)
         self.runs = [RunFolder(self.path / e.name, e.name, e.label(short)) for e in self.plan.experiments]
 
     def info(self) -> dict:
-        from dl4py.sweep import results as table
-        from dl4py.sweep.runner import OUTCOMES
-
         metric = self.plan.metric
         outcomes = read_json(self.path / OUTCOMES) or {}
-        rows = table.collect_rows(self.plan, self.path, outcomes, metric)
+        rows = sweep_results.collect_rows(self.plan, self.path, outcomes, metric)
         extra = {}  # every rankable figure the runs have, so any of them can sort the table
         for row in rows:
             result = read_json(self.path / row["experiment"] / "result.json") or {}
-            extra[row["experiment"]] = {k: result.get(k) for k in table.METRICS
+            extra[row["experiment"]] = {k: result.get(k) for k in sweep_results.METRICS
                                         if k != metric and _is_number(result.get(k))}
-        columns = [m for m in table.METRICS if m != metric and any(m in e for e in extra.values())]
+        columns = [m for m in sweep_results.METRICS if m != metric and any(m in e for e in extra.values())]
         labels = {run.name: run.label for run in self.runs}
         return {
             "name": self.path.name, "metric": metric,
-            "higher_is_better": table.METRICS[metric], "keys": self.plan.keys, "columns": columns,
+            "higher_is_better": sweep_results.METRICS[metric], "keys": self.plan.keys, "columns": columns,
             "rows": [{**row, **extra[row["experiment"]], "label": labels.get(row["experiment"]),
                       "values": {k: _value(row[k]) for k in self.plan.keys}} for row in rows],
         }
-
-
-def _short_keys(keys: list[str]) -> dict:
-    from dl4py.sweep.plan import short_keys
-
-    return short_keys(keys)
 
 
 def _is_number(value) -> bool:

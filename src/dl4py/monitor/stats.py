@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch.distributed as dist
+
 from dl4py.monitor.collector import StatsCollector
 from dl4py.monitor.environment import environment_record
 from dl4py.monitor.layers import model_layers
@@ -116,9 +118,8 @@ class StatsListener(TrainingListener):
 
 def static_record(model, workers: int = 1) -> dict:
     """The "static" record of an initialised ``model``: what it is and where it trains."""
-    summary = model.summary() if hasattr(model, "summary") else str(model.module)
     return {"kind": "static",
-            "model": {"summary": summary, "parameters": model.num_params(),
+            "model": {"summary": model.summary(), "parameters": model.num_params(),
                       "layers": [layer.name for layer in model_layers(model)]},
             "environment": environment_record(model), "workers": workers}
 
@@ -145,6 +146,4 @@ def _count_setting(name: str, value) -> int:
 
 def _launched_world() -> int:
     """The ranks of the process group this fit runs in (torchrun: rank 0 runs the listeners); 1 alone."""
-    import torch.distributed as dist
-
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

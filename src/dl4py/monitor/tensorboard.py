@@ -77,8 +77,9 @@ class TensorBoardStatsStorage(StatsStorage):
 def _summary_writer():
     """torch's SummaryWriter, or an error naming what to install."""
     try:
-        import tensorboard  # noqa: F401  (torch.utils.tensorboard needs it, and says so less clearly)
-        from torch.utils.tensorboard import SummaryWriter
+        # torch.utils.tensorboard needs tensorboard, and says so less clearly: asked for first
+        import tensorboard  # optional: tensorboard (extra tensorboard)  # noqa: F401
+        from torch.utils.tensorboard import SummaryWriter  # optional: tensorboard (extra tensorboard)
     except ImportError:  # also when sys.modules["tensorboard"] is None
         raise MissingDependencyError("TensorBoard logging", "tensorboard", "tensorboard") from None
     return SummaryWriter

@@ -1,48 +1,29 @@
 """Turn a NetworkConfig into torch modules, one ``nn.Module`` per configured layer.
 
-Weight initialisation follows DL4J's definitions (biases start at zero):
-xavier N(0, 2/(fan_in+fan_out)), relu N(0, 2/fan_in), normal N(0, 1/fan_in),
-uniform U(-1/sqrt(fan_in), 1/sqrt(fan_in)), zero. The output layer's module yields
-pre-activation scores; its activation is applied by ``output()`` and fused into the
-loss where that is exact and more stable (softmax + NLL, sigmoid + binary xent).
+Each layer type's module comes from the builder registered under its type name
+(``config/registry.py``): the builders of ``config/layers.py``'s layers are here, the
+others in ``nn/recurrent.py`` and ``nn/layers_extra.py``. Weights start as DL4J's
+(``nn/layer_init.py``). The output layer's module yields pre-activation scores; its
+activation is applied by ``output()`` and fused into the loss (``nn/output_loss.py``).
 """
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from dl4py.config.layers import (
-    ActivationLayer,
-    BatchNormalization,
-    ConvolutionLayer,
-    DenseLayer,
-    DropoutLayer,
-    GlobalPoolingLayer,
-    Layer,
-    OutputLayer,
-    Shape,
-    SubsamplingLayer,
-)
-from dl4py.config.frozen import is_frozen, unfrozen
-from dl4py.config.layers_extra import EXTRA_LAYERS
+# nn/layers_extra.py registers its builders when imported, as nn/recurrent.py does.
+import dl4py.nn.layers_extra  # noqa: F401
+from dl4py.config.frozen import is_frozen
+from dl4py.config.layers import Layer, Shape
 from dl4py.config.network import NetworkConfig
+from dl4py.config.registry import LAYERS
 from dl4py.nn.convolution import Conv2d
-from dl4py.nn.layers_extra import extra_parts
-
-ACTIVATIONS = {
-    "identity": nn.Identity,
-    "relu": nn.ReLU,
-    "leakyrelu": lambda: nn.LeakyReLU(0.01),  # DL4J's default alpha
-    "tanh": nn.Tanh,
-    "sigmoid": nn.Sigmoid,
-    "softmax": lambda: nn.Softmax(dim=1),
-    "gelu": nn.GELU,
-}
+from dl4py.nn.layer_init import ACTIVATIONS, init_weight_and_bias
+from dl4py.nn.output_loss import OutputLoss  # noqa: F401  (nn/network.py and nn/graph.py take it from here)
+from dl4py.nn.recurrent import SequenceMask
 
 
 class Reshape(nn.Module):
@@ -90,8 +71,6 @@ class FrozenSequential(nn.Sequential):
 def build_module(config: NetworkConfig, generator: torch.Generator, masks=None) -> nn.Sequential:
     """All layers as ``nn.Sequential(layer0, layer1, ...)``, initialised from ``generator``.
     ``masks``: the ``SequenceMask`` the model sets per batch, for layers that read it."""
-    from dl4py.nn.recurrent import SequenceMask
-
     masks = SequenceMask() if masks is None else masks
     modules = []
     data_shape = Shape("ff", config.input_type.example_shape())
@@ -110,127 +89,84 @@ def layer_module(layer_config: Layer, received: Shape, shape: Shape, config, gen
                  masks, where: str) -> nn.Sequential:
     """One configured layer as ``nn.Sequential(preprocess?, op, activation?)``: ``received``
     is what the layer is given, ``shape`` what it takes (a flattened or reshaped view of it).
-    ``config`` gives the defaults (a NetworkConfig or a GraphConfig)."""
-    from dl4py.config.recurrent import SEQUENCE_MODULES
-    from dl4py.nn.recurrent import recurrent_parts
-
+    ``config`` gives the defaults (a NetworkConfig or a GraphConfig); ``masks`` is the model's
+    SequenceMask, for the layers that read it (None: an empty one, no masking); ``where``
+    names the layer in errors."""
+    masks = SequenceMask() if masks is None else masks
     # Stable names (``4.op.weight``) whether or not a preprocessor is inserted.
     parts = OrderedDict()
     if received.kind == "ff" and shape.kind == "cnn":
         parts["preprocess"] = Reshape(shape.dims)
     elif received.kind == "cnn" and shape.kind == "ff":
         parts["preprocess"] = nn.Flatten(1)
-    layer = unfrozen(layer_config)
-    if isinstance(layer, SEQUENCE_MODULES):
-        op, activation = recurrent_parts(layer, shape, config, generator, masks, where, _init_weight)
-    else:
-        op, activation = _layer_parts(layer, shape, config, generator, masks, where)
+    build = LAYERS.builder_for(layer_config)
+    op, activation = build(layer_config, shape, config, generator, masks, where)
     parts["op"] = op
     if activation is not None:
         parts["activation"] = activation
     return FrozenSequential(parts) if is_frozen(layer_config) else nn.Sequential(parts)
 
 
-def _activation(layer: Layer, config: NetworkConfig) -> nn.Module:
-    name = getattr(layer, "activation", None) or config.activation
-    return ACTIVATIONS[name]()
+# Builders: (layer, shape it takes, defaults, generator, masks, where) -> (op, activation or None).
 
 
-def _layer_parts(
-    layer: Layer, shape: Shape, config: NetworkConfig, gen, masks=None, where: str = "layer"
-) -> tuple[nn.Module, nn.Module | None]:
-    """The layer's operation and its activation (None where it has none). ``masks``: the
-    model's SequenceMask, for the layers that read it; ``where`` names the layer in errors."""
-    if isinstance(layer, EXTRA_LAYERS):
-        return extra_parts(layer, shape, config, gen, masks, where, _init_weight)
-    if isinstance(layer, DenseLayer):  # OutputLayer included
-        n_in = shape.dims[-1] if shape.kind == "rnn" else shape.size  # RnnOutputLayer: per step
-        linear = nn.Linear(n_in, layer.n_out, bias=layer.has_bias)
-        _init_weight(linear.weight, layer.weight_init or config.weight_init, gen)
-        if linear.bias is not None:
-            nn.init.zeros_(linear.bias)
-        if isinstance(layer, OutputLayer):
-            return linear, None
-        return linear, _activation(layer, config)
-    if isinstance(layer, ConvolutionLayer):
-        conv = Conv2d(
-            shape.dims[0], layer.n_out, layer.kernel_size, layer.stride, layer.padding,
-            layer.dilation, bias=layer.has_bias,
-        )
-        _init_weight(conv.weight, layer.weight_init or config.weight_init, gen)
-        if conv.bias is not None:
-            nn.init.zeros_(conv.bias)
-        return conv, _activation(layer, config)
-    if isinstance(layer, SubsamplingLayer):
-        if layer.pooling_type == "max":
-            return nn.MaxPool2d(layer.kernel_size, layer.stride, layer.padding), None
-        return nn.AvgPool2d(layer.kernel_size, layer.stride, layer.padding), None
-    if isinstance(layer, BatchNormalization):
-        cls = nn.BatchNorm2d if shape.kind == "cnn" else nn.BatchNorm1d
-        return cls(shape.dims[0], eps=layer.eps, momentum=1.0 - layer.decay), None
-    if isinstance(layer, DropoutLayer):
-        return nn.Dropout(layer.rate), None
-    if isinstance(layer, ActivationLayer):
-        return ACTIVATIONS[layer.activation](), None
-    if isinstance(layer, GlobalPoolingLayer):
-        return GlobalPool(layer.pooling_type), None
-    raise TypeError(f"no module builder for layer type {type(layer).__name__}")
+@LAYERS.builder("frozen")
+def _frozen(layer, shape: Shape, config, gen, masks, where: str):
+    """The wrapped layer's parts, under the same names; layer_module freezes their container."""
+    inner = layer.layer
+    return LAYERS.builder_for(inner)(inner, shape, config, gen, masks, where)
 
 
-def _init_weight(weight: torch.Tensor, scheme: str, gen: torch.Generator) -> None:
-    fan_in, fan_out = nn.init._calculate_fan_in_and_fan_out(weight)
-    with torch.no_grad():
-        if scheme == "xavier":
-            weight.normal_(0.0, math.sqrt(2.0 / (fan_in + fan_out)), generator=gen)
-        elif scheme == "relu":
-            weight.normal_(0.0, math.sqrt(2.0 / fan_in), generator=gen)
-        elif scheme == "normal":
-            weight.normal_(0.0, 1.0 / math.sqrt(fan_in), generator=gen)
-        elif scheme == "uniform":
-            bound = 1.0 / math.sqrt(fan_in)
-            weight.uniform_(-bound, bound, generator=gen)
-        elif scheme == "zero":
-            weight.zero_()
-        else:
-            raise ValueError(f"unknown weight init {scheme!r}")
+@LAYERS.builder("dense")
+def _dense(layer, shape: Shape, config, gen, masks, where: str):
+    return _linear(layer, shape, config, gen), ACTIVATIONS[layer.activation or config.activation]()
 
 
-class OutputLoss:
-    """Loss of the output layer on its pre-activation scores.
+@LAYERS.builder("output", "rnn_output")
+def _output(layer, shape: Shape, config, gen, masks, where: str):
+    return _linear(layer, shape, config, gen), None  # its activation is the loss's (OutputLoss)
 
-    Labels are class indices ``[n]`` or target rows ``[n, k]``; indices are one-hot
-    encoded where the loss needs rows (mse, xent).
-    """
 
-    def __init__(self, layer: OutputLayer):
-        if layer.loss not in ("negativeloglikelihood", "mcxent", "xent", "mse"):
-            # The config admits only canonical names; a loss without a branch below must
-            # not quietly train as the last one (DL4J's "NEGATIVELOGLIKELIHOOD" once did).
-            raise TypeError(f"OutputLoss has no rule for loss {layer.loss!r}")
-        self.loss = layer.loss
-        self.activation = layer.resolved_activation()
-        self.n_out = layer.n_out
-        self._act = ACTIVATIONS[self.activation]()
+def _linear(layer, shape: Shape, config, gen) -> nn.Linear:
+    n_in = shape.dims[-1] if shape.kind == "rnn" else shape.size  # RnnOutputLayer: per step
+    linear = nn.Linear(n_in, layer.n_out, bias=layer.has_bias)
+    init_weight_and_bias(linear, layer.weight_init or config.weight_init, gen)
+    return linear
 
-    def __call__(self, scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if self.loss in ("negativeloglikelihood", "mcxent"):
-            if self.activation == "softmax":
-                return F.cross_entropy(scores, labels)
-            probs = self._act(scores).clamp_min(1e-12)
-            return -(self._rows(labels, probs) * probs.log()).sum(dim=1).mean()
-        if self.loss == "xent":
-            target = self._rows(labels, scores)
-            if self.activation == "sigmoid":
-                return F.binary_cross_entropy_with_logits(scores, target)
-            probs = self._act(scores).clamp(1e-7, 1 - 1e-7)
-            return F.binary_cross_entropy(probs, target)
-        assert self.loss == "mse"
-        return F.mse_loss(self._act(scores), self._rows(labels, scores))
 
-    def _rows(self, labels: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        if labels.dim() == 1:
-            return F.one_hot(labels, self.n_out).to(like.dtype)
-        return labels.to(like.dtype)
+@LAYERS.builder("convolution")
+def _convolution(layer, shape: Shape, config, gen, masks, where: str):
+    conv = Conv2d(
+        shape.dims[0], layer.n_out, layer.kernel_size, layer.stride, layer.padding,
+        layer.dilation, bias=layer.has_bias,
+    )
+    init_weight_and_bias(conv, layer.weight_init or config.weight_init, gen)
+    return conv, ACTIVATIONS[layer.activation or config.activation]()
 
-    def activate(self, scores: torch.Tensor) -> torch.Tensor:
-        return self._act(scores)
+
+@LAYERS.builder("subsampling")
+def _subsampling(layer, shape: Shape, config, gen, masks, where: str):
+    if layer.pooling_type == "max":
+        return nn.MaxPool2d(layer.kernel_size, layer.stride, layer.padding), None
+    return nn.AvgPool2d(layer.kernel_size, layer.stride, layer.padding), None
+
+
+@LAYERS.builder("batch_normalization")
+def _batch_normalization(layer, shape: Shape, config, gen, masks, where: str):
+    cls = nn.BatchNorm2d if shape.kind == "cnn" else nn.BatchNorm1d
+    return cls(shape.dims[0], eps=layer.eps, momentum=1.0 - layer.decay), None
+
+
+@LAYERS.builder("dropout")
+def _dropout(layer, shape: Shape, config, gen, masks, where: str):
+    return nn.Dropout(layer.rate), None
+
+
+@LAYERS.builder("activation")
+def _activation_layer(layer, shape: Shape, config, gen, masks, where: str):
+    return ACTIVATIONS[layer.activation](), None
+
+
+@LAYERS.builder("global_pooling")
+def _global_pooling(layer, shape: Shape, config, gen, masks, where: str):
+    return GlobalPool(layer.pooling_type), None

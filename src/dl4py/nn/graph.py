@@ -30,6 +30,7 @@ from dl4py.nn.model import Model, _as_tensor
 from dl4py.nn.network import check_data_for, check_features_for, check_labels_for
 from dl4py.nn.optimizers import make_optimizer, optimizer_kernel, param_groups
 from dl4py.nn.recurrent import RnnOutputLoss, SequenceMask
+from dl4py.nn.signature import Signature, graph_signature
 from dl4py.nn.summary import ruled_table
 
 
@@ -194,6 +195,9 @@ class ComputationGraph(Model):
     @property
     def n_out(self) -> int:
         return sum(layer.n_out for layer in self._outputs)
+
+    def signature(self) -> Signature:
+        return graph_signature(self.config)
 
     def loss(self, outputs, labels):
         if len(self._losses) == 1:

@@ -1,4 +1,5 @@
-"""Modules of the layers in ``config/layers_extra.py``, for ``builder._layer_parts``.
+"""Modules of the layers in ``config/layers_extra.py``, each built by the builder registered
+under its type name (``config/registry.py``, used by ``builder.layer_module``).
 
 Sequences are ``[batch, time, size]``; torch's 1-D convolution and pooling want
 ``[batch, size, time]``, so those modules transpose in and out (views, no copies).
@@ -19,17 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dl4py.config.layers_extra import (
-    Convolution1DLayer,
-    Deconvolution2D,
-    LayerNormalization,
-    SelfAttentionLayer,
-    Subsampling1DLayer,
-    Upsampling2D,
-    ZeroPaddingLayer,
-)
+from dl4py.config.registry import LAYERS
 from dl4py.errors import DataError
 from dl4py.nn.convolution import Conv1d, ConvTranspose2d
+from dl4py.nn.layer_init import ACTIVATIONS, init_weight, init_weight_and_bias
 from dl4py.nn.recurrent import SequenceMask, _zero_padding
 
 
@@ -115,66 +109,72 @@ class SelfAttention(nn.Module):
         return f"n_heads={self.n_heads}, head_size={self.head_size}, project_input={self.project}"
 
 
-def extra_parts(layer, shape, config, gen, masks: SequenceMask | None, where: str, init_weight):
-    """The module of one of ``config/layers_extra.py``'s layers and its activation (or None).
-    ``masks``: the model's SequenceMask (None: a fresh, empty one: no masking)."""
-    from dl4py.nn.builder import ACTIVATIONS
-
-    masks = SequenceMask() if masks is None else masks
-    scheme = getattr(layer, "weight_init", None) or config.weight_init
-
-    def activation():
-        return ACTIVATIONS[getattr(layer, "activation", None) or config.activation]()
-
-    if isinstance(layer, Convolution1DLayer):
-        conv = Conv1d(shape.dims[1], layer.n_out, layer.kernel_size, layer.stride, layer.padding,
-                      layer.dilation, bias=layer.has_bias)
-        _init(conv, scheme, gen, init_weight)
-        span = layer.dilation * (layer.kernel_size - 1) + 1
-        return _SequenceWindow(conv, masks, where, span, layer.padding), activation()
-    if isinstance(layer, Subsampling1DLayer):
-        window = (masks, where, layer.kernel_size, layer.padding)
-        if layer.pooling_type == "max":
-            pool = nn.MaxPool1d(layer.kernel_size, layer.stride, layer.padding)
-            return _SequenceWindow(pool, *window, fill=float("-inf")), None
-        return _SequenceWindow(nn.AvgPool1d(layer.kernel_size, layer.stride, layer.padding), *window), None
-    if isinstance(layer, Upsampling2D):
-        return nn.Upsample(scale_factor=tuple(float(s) for s in layer.size), mode="nearest"), None
-    if isinstance(layer, Deconvolution2D):
-        conv = ConvTranspose2d(shape.dims[0], layer.n_out, layer.kernel_size, layer.stride, layer.padding,
-                               dilation=layer.dilation, bias=layer.has_bias)
-        # The weight is [in, out, kh, kw]: transposed, the fans are those of a convolution
-        # from n_in to n_out channels, as DL4J counts them.
-        init_weight(conv.weight.transpose(0, 1), scheme, gen)
-        if conv.bias is not None:
-            nn.init.zeros_(conv.bias)
-        return conv, activation()
-    if isinstance(layer, ZeroPaddingLayer):
-        top, bottom, left, right = layer.padding
-        return nn.ZeroPad2d((left, right, top, bottom)), None
-    if isinstance(layer, LayerNormalization):
-        if shape.kind == "cnn":
-            return nn.GroupNorm(1, shape.dims[0], eps=layer.eps), None
-        if shape.kind == "rnn":
-            return SequenceLayerNorm(shape.dims[1], layer.eps, masks), None
-        return nn.LayerNorm(shape.dims[0], eps=layer.eps), None
-    if isinstance(layer, SelfAttentionLayer):
-        n_in = shape.dims[1]
-        head_size = layer.resolved_head_size(n_in)
-        module = SelfAttention(n_in, layer.n_out, layer.n_heads, head_size, layer.project_input, masks)
-        if layer.project_input:
-            inner = layer.n_heads * head_size
-            for i in range(3):  # each of the query, key and value matrices on its own fans
-                init_weight(module.qkv.weight[i * inner : (i + 1) * inner], scheme, gen)
-            init_weight(module.out.weight, scheme, gen)
-        return module, None
-    raise TypeError(f"no module builder for layer type {type(layer).__name__}")
+# Builders (config/registry.py): (layer, shape, config, generator, masks, where) -> (op, activation or None).
 
 
-def _init(conv: nn.Module, scheme: str, gen: torch.Generator, init_weight) -> None:
-    init_weight(conv.weight, scheme, gen)
+@LAYERS.builder("convolution1d")
+def _convolution1d(layer, shape, config, gen, masks: SequenceMask, where: str):
+    conv = Conv1d(shape.dims[1], layer.n_out, layer.kernel_size, layer.stride, layer.padding,
+                  layer.dilation, bias=layer.has_bias)
+    init_weight_and_bias(conv, layer.weight_init or config.weight_init, gen)
+    span = layer.dilation * (layer.kernel_size - 1) + 1
+    window = _SequenceWindow(conv, masks, where, span, layer.padding)
+    return window, ACTIVATIONS[layer.activation or config.activation]()
+
+
+@LAYERS.builder("subsampling1d")
+def _subsampling1d(layer, shape, config, gen, masks: SequenceMask, where: str):
+    window = (masks, where, layer.kernel_size, layer.padding)
+    if layer.pooling_type == "max":
+        pool = nn.MaxPool1d(layer.kernel_size, layer.stride, layer.padding)
+        return _SequenceWindow(pool, *window, fill=float("-inf")), None
+    return _SequenceWindow(nn.AvgPool1d(layer.kernel_size, layer.stride, layer.padding), *window), None
+
+
+@LAYERS.builder("upsampling2d")
+def _upsampling2d(layer, shape, config, gen, masks: SequenceMask, where: str):
+    return nn.Upsample(scale_factor=tuple(float(s) for s in layer.size), mode="nearest"), None
+
+
+@LAYERS.builder("deconvolution2d")
+def _deconvolution2d(layer, shape, config, gen, masks: SequenceMask, where: str):
+    conv = ConvTranspose2d(shape.dims[0], layer.n_out, layer.kernel_size, layer.stride, layer.padding,
+                           dilation=layer.dilation, bias=layer.has_bias)
+    # The weight is [in, out, kh, kw]: transposed, the fans are those of a convolution
+    # from n_in to n_out channels, as DL4J counts them.
+    init_weight(conv.weight.transpose(0, 1), layer.weight_init or config.weight_init, gen)
     if conv.bias is not None:
         nn.init.zeros_(conv.bias)
+    return conv, ACTIVATIONS[layer.activation or config.activation]()
 
 
-__all__ = ["SelfAttention", "SequenceLayerNorm", "extra_parts"]
+@LAYERS.builder("zero_padding")
+def _zero_padding_layer(layer, shape, config, gen, masks: SequenceMask, where: str):
+    top, bottom, left, right = layer.padding
+    return nn.ZeroPad2d((left, right, top, bottom)), None
+
+
+@LAYERS.builder("layer_normalization")
+def _layer_normalization(layer, shape, config, gen, masks: SequenceMask, where: str):
+    if shape.kind == "cnn":
+        return nn.GroupNorm(1, shape.dims[0], eps=layer.eps), None
+    if shape.kind == "rnn":
+        return SequenceLayerNorm(shape.dims[1], layer.eps, masks), None
+    return nn.LayerNorm(shape.dims[0], eps=layer.eps), None
+
+
+@LAYERS.builder("self_attention")
+def _self_attention(layer, shape, config, gen, masks: SequenceMask, where: str):
+    n_in = shape.dims[1]
+    head_size = layer.resolved_head_size(n_in)
+    module = SelfAttention(n_in, layer.n_out, layer.n_heads, head_size, layer.project_input, masks)
+    if layer.project_input:
+        scheme = layer.weight_init or config.weight_init
+        inner = layer.n_heads * head_size
+        for i in range(3):  # each of the query, key and value matrices on its own fans
+            init_weight(module.qkv.weight[i * inner : (i + 1) * inner], scheme, gen)
+        init_weight(module.out.weight, scheme, gen)
+    return module, None
+
+
+__all__ = ["SelfAttention", "SequenceLayerNorm"]

@@ -17,8 +17,9 @@ from torch import nn
 from dl4py.backend import Backend, Precision, resolve_backend, resolve_precision
 from dl4py.data.dataset import DataSet
 from dl4py.errors import BackendError, ConfigError, DataError
-from dl4py.nn.master_weights import MasterWeights
 from dl4py.nn.memory_format import to_channels_last, use_channels_last
+from dl4py.nn.signature import Signature
+from dl4py.nn.training_state import TrainingState
 
 if TYPE_CHECKING:
     from dl4py.eval import Evaluation
@@ -44,13 +45,9 @@ class Model:
         self.module: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.seed = 0  # seeds in-step randomness (dropout) per batch: train/randomness.py
-        self.master = None  # MasterWeights when the precision keeps float32 masters
-        self.scaler = None  # GradScaler when the precision scales the loss
-        self.epoch_count = 0  # completed epochs
-        self.iteration_count = 0  # minibatches trained on
-        self.update_count = 0  # updates applied (fewer when loss scaling skipped some)
-        self.batch_in_epoch = 0  # batches done in the current, unfinished epoch
-        self._last_score: torch.Tensor | None = None
+        # The precision's mechanics (float32 masters, loss scaler, skipped steps): Precision.bind.
+        self.precision_state = None
+        self.training_state = TrainingState()  # counters and last score, moved by the trainers
         self._stop_reason: str | None = None
         self._train_step = None  # made at the first train_step, for this model's state
         self._gradient_hook = None  # share_gradients: runs between backward and update
@@ -58,32 +55,11 @@ class Model:
         # The data set copy on the device that fit keeps between calls (DeviceDataSetIterator).
         self.device_data = None
 
-    @property
-    def update_count(self) -> int:
-        """Updates applied. Under loss scaling without a schedule the step counts them on the
-        device, so it need not wait for the GPU; they are added up here, when asked for."""
-        pending = self.__dict__.get("_pending_updates")
-        if pending is not None:
-            self._update_count += int(pending)
-            self._pending_updates = None
-        return self._update_count
-
-    @update_count.setter
-    def update_count(self, value: int) -> None:
-        self._update_count, self._pending_updates = int(value), None
-
-    def count_updates_later(self, applied: torch.Tensor) -> None:
-        """Add 1 (``applied`` true) or 0 to ``update_count`` without reading the device now."""
-        applied = applied.to(torch.int64)
-        pending = self.__dict__.get("_pending_updates")
-        self._pending_updates = applied if pending is None else pending + applied
-
     def __getstate__(self):
         # Sent to a parallel worker as its recipe: the built module, optimizer and step
         # are rebuilt there on the worker's device (weights follow in a saved model file).
-        self.update_count  # pending device counts become a number that pickles anywhere
         state = dict(self.__dict__)
-        for name in ("module", "optimizer", "master", "scaler", "_train_step", "_gradient_hook", "backend",
+        for name in ("module", "optimizer", "precision_state", "_train_step", "_gradient_hook", "backend",
                      "precision", "device_data", "parallel_layout"):
             state[name] = None
         return state
@@ -109,6 +85,12 @@ class Model:
     def learning_rate_at(self, updates: int, epochs: int) -> float | None:
         """Scheduled learning rate, or None to leave the optimizer's own learning rate alone."""
         return None
+
+    def signature(self) -> Signature:
+        """What a caller may know without probing: input shape, inputs, outputs (width, class
+        indices or regression values), the model kind (``dl4py.nn.signature``). Serve, export,
+        ``predict``, ParallelInference and the monitor read it."""
+        raise NotImplementedError(f"{type(self).__name__} does not say its signature()")
 
     def check_features(self, features: torch.Tensor, where: str) -> None:
         """Raise DataError when ``features`` cannot go into this network."""
@@ -141,11 +123,8 @@ class Model:
         self._channels_last = use_channels_last(env.channels_last, module, device)
         if self._channels_last:  # before the master copy is made, so both are NHWC
             module = module.to(memory_format=torch.channels_last)
-        if precision.master_weights:
-            self.master = MasterWeights(module, precision.param_dtype)
-            module = self.master.module
-        self.module = module
-        self.scaler = precision.make_scaler(device)
+        self.precision_state = precision.bind(module, device)
+        self.module = self.precision_state.module
         return self
 
     def _check_precision_supported(self) -> None:
@@ -172,6 +151,34 @@ class Model:
                 "so this runs many times slower than float; 'bfloat16' or 'mixed-bf16' is the fast "
                 "16-bit choice on a CPU",
             )
+
+    # ---- where training stands (read-only: trainers move ``training_state``) ----------------
+    @property
+    def epoch_count(self) -> int:
+        """Completed epochs."""
+        return self.training_state.epoch
+
+    @property
+    def iteration_count(self) -> int:
+        """Minibatches trained on."""
+        return self.training_state.iteration
+
+    @property
+    def update_count(self) -> int:
+        """Updates applied (fewer when loss scaling skipped some, or batches were accumulated)."""
+        return self.training_state.updates
+
+    @property
+    def batch_in_epoch(self) -> int:
+        """Batches done in the current, unfinished epoch (where a resumed fit continues)."""
+        return self.training_state.batch_in_epoch
+
+    @property
+    def stepped_module(self) -> nn.Module:
+        """The module whose parameters the optimizer steps: the float32 masters where the
+        precision keeps them, else the module itself."""
+        self.init()
+        return self.precision_state.stepped_module
 
     @property
     def device(self) -> torch.device:
@@ -243,7 +250,7 @@ class Model:
             self._train_step = make_train_step(self, gradient_hook=self._gradient_hook)
         loss = self._train_step(features, labels)
         if loss is not None:
-            self._last_score = loss
+            self.training_state.set_score(loss)
         return loss
 
     def set_accumulate_batches(self, batches: int) -> "Model":
@@ -265,15 +272,34 @@ class Model:
         self._gradient_hook = hook
         self._train_step = None
 
+    def convert(self, *, module=None, optimizer=None, precision_state=None, loss=None) -> None:
+        """A parallel plan's conversion of this replica (``parallel/sharding.py``,
+        ``parallel/tensor_parallel.py``): the parts it replaced (the module that runs, the
+        optimizer over its parameters, the precision state, the loss); the step is made again."""
+        if module is not None:
+            self.module = module
+        if optimizer is not None:
+            self.optimizer = optimizer
+        if precision_state is not None:
+            self.precision_state = precision_state
+        if loss is not None:
+            self.loss = loss
+        self._train_step = None
+
+    def lay_out(self, layout) -> None:
+        """Train as ``layout`` (a ``parallel.layout.DistributedLayout``) lays this replica out
+        across the ranks; None: a plain replica."""
+        self.parallel_layout = layout
+
     @property
     def last_score(self) -> torch.Tensor | None:
         """The loss of the last training minibatch (or the workers' averaged loss), a tensor
         that may still be on the device; None before any training."""
-        return self._last_score
+        return self.training_state.score
 
     def set_score(self, score) -> None:
         """Replace the last score (a parallel trainer's average over its workers)."""
-        self._last_score = None if score is None else torch.as_tensor(score)
+        self.training_state.set_score(score)
 
     def request_stop(self, reason: str) -> None:
         """Ask the running ``fit`` to stop after the current step (used by early stopping)."""
@@ -290,9 +316,9 @@ class Model:
     def score(self, data=None, *, batch_size: int | None = None, label=None, features=None) -> float:
         """Loss of the last training minibatch (DL4J's ``score()``), or mean loss on ``data``."""
         if data is None:
-            if self._last_score is None:
+            if self.training_state.score is None:
                 raise RuntimeError("score(): the model has not been trained yet; pass data to score it")
-            return float(self._last_score)
+            return float(self.training_state.score)
         total, count = 0.0, 0
         with self._inference():
             for batch in as_iterator(data, batch_size, label=label, features=features):

@@ -13,6 +13,7 @@ from dl4py.nn.builder import OutputLoss, build_module
 from dl4py.nn.model import Model
 from dl4py.nn.optimizers import make_optimizer, optimizer_kernel, param_groups
 from dl4py.nn.recurrent import RnnOutputLoss, SequenceMask
+from dl4py.nn.signature import Signature, network_signature
 from dl4py.nn.summary import summary_table
 
 
@@ -65,6 +66,9 @@ class MultiLayerNetwork(Model):
     @property
     def n_out(self) -> int:
         return self.config.layers[-1].n_out
+
+    def signature(self) -> Signature:
+        return network_signature(self.config)
 
     def set_mask(self, mask: torch.Tensor | None) -> None:
         self._masks.current = mask

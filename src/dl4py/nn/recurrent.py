@@ -10,6 +10,9 @@ its modules and loss share, before the forward pass:
   are zeroed, as DL4J does, so the next layer sees nothing of the padding either;
 - LastTimeStep takes each sequence's last real step;
 - RnnOutputLayer's loss is the mean over real steps only.
+
+Their builders register under their type names (``config/registry.py``); RnnOutputLayer's
+module is a dense layer per step (``nn/builder.py``).
 """
 
 from __future__ import annotations
@@ -17,16 +20,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dl4py.config.recurrent import (
-    GRU,
-    LSTM,
-    EmbeddingLayer,
-    EmbeddingSequenceLayer,
-    LastTimeStep,
-    RnnOutputLayer,
-)
+from dl4py.config.recurrent import RnnOutputLayer
+from dl4py.config.registry import LAYERS
 from dl4py.errors import DataError
 from dl4py.nn.convolution import cpu_autocast_upcasts
+from dl4py.nn.layer_init import ACTIVATIONS, init_weight
+from dl4py.nn.output_loss import OutputLoss
 
 
 class SequenceMask:
@@ -113,34 +112,58 @@ def _zero_padding(out: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return out * mask.unsqueeze(-1).to(out.dtype)
 
 
-def recurrent_parts(layer, shape, config, gen, masks: SequenceMask, where: str, init_weight):
-    """The module of a recurrent or embedding layer (its activation inside, or None)."""
-    if isinstance(layer, LastTimeStep):
-        op, _ = recurrent_parts(layer.layer, shape, config, gen, masks, where, init_weight)
-        return LastStep(op, masks), None
-    if isinstance(layer, (LSTM, GRU)):
-        cls = nn.LSTM if isinstance(layer, LSTM) else nn.GRU
-        rnn = cls(shape.dims[1], layer.n_out, batch_first=True)
-        scheme = layer.weight_init or config.weight_init
-        init_weight(rnn.weight_ih_l0, scheme, gen)
-        init_weight(rnn.weight_hh_l0, scheme, gen)
-        nn.init.zeros_(rnn.bias_ih_l0)
-        nn.init.zeros_(rnn.bias_hh_l0)
-        if isinstance(layer, LSTM):  # PyTorch's gate order: input, forget, cell, output
-            with torch.no_grad():
-                rnn.bias_ih_l0[layer.n_out : 2 * layer.n_out] = layer.forget_gate_bias_init
-        return RecurrentOp(rnn, masks), None
-    if isinstance(layer, (EmbeddingLayer, EmbeddingSequenceLayer)):
-        module = Embedding(layer.vocab_size, layer.n_out, isinstance(layer, EmbeddingSequenceLayer),
-                           masks, where)
-        init_weight(module.embedding.weight, layer.weight_init or config.weight_init, gen)
-        from dl4py.nn.builder import ACTIVATIONS
+# Builders (config/registry.py): (layer, shape, config, generator, masks, where) -> (op, activation or None).
 
-        activation = None if layer.activation in (None, "identity") else ACTIVATIONS[layer.activation]()
-        if layer.activation == "softmax":
-            activation = nn.Softmax(dim=-1)
-        return module, activation
-    raise TypeError(f"no module builder for layer type {type(layer).__name__}")
+
+@LAYERS.builder("last_time_step")
+def _last_time_step(layer, shape, config, gen, masks: SequenceMask, where: str):
+    inner = layer.layer
+    op, _ = LAYERS.builder_for(inner)(inner, shape, config, gen, masks, where)
+    return LastStep(op, masks), None
+
+
+@LAYERS.builder("lstm")
+def _lstm(layer, shape, config, gen, masks: SequenceMask, where: str):
+    rnn = _recurrent(nn.LSTM, layer, shape, config, gen)
+    with torch.no_grad():  # PyTorch's gate order: input, forget, cell, output
+        rnn.bias_ih_l0[layer.n_out : 2 * layer.n_out] = layer.forget_gate_bias_init
+    return RecurrentOp(rnn, masks), None
+
+
+@LAYERS.builder("gru")
+def _gru(layer, shape, config, gen, masks: SequenceMask, where: str):
+    return RecurrentOp(_recurrent(nn.GRU, layer, shape, config, gen), masks), None
+
+
+def _recurrent(cls: type[nn.RNNBase], layer, shape, config, gen) -> nn.RNNBase:
+    """One layer of ``cls`` (its activation inside), weights by the layer's scheme, biases zero."""
+    rnn = cls(shape.dims[1], layer.n_out, batch_first=True)
+    scheme = layer.weight_init or config.weight_init
+    init_weight(rnn.weight_ih_l0, scheme, gen)
+    init_weight(rnn.weight_hh_l0, scheme, gen)
+    nn.init.zeros_(rnn.bias_ih_l0)
+    nn.init.zeros_(rnn.bias_hh_l0)
+    return rnn
+
+
+@LAYERS.builder("embedding")
+def _embedding(layer, shape, config, gen, masks: SequenceMask, where: str):
+    return _embedding_parts(layer, config, gen, masks, where, sequence=False)
+
+
+@LAYERS.builder("embedding_sequence")
+def _embedding_sequence(layer, shape, config, gen, masks: SequenceMask, where: str):
+    return _embedding_parts(layer, config, gen, masks, where, sequence=True)
+
+
+def _embedding_parts(layer, config, gen, masks: SequenceMask, where: str, sequence: bool):
+    module = Embedding(layer.vocab_size, layer.n_out, sequence, masks, where)
+    init_weight(module.embedding.weight, layer.weight_init or config.weight_init, gen)
+    if layer.activation in (None, "identity"):  # None: identity, not the network's default
+        return module, None
+    if layer.activation == "softmax":
+        return module, nn.Softmax(dim=-1)  # over each vector, of a sequence's steps too
+    return module, ACTIVATIONS[layer.activation]()
 
 
 class RnnOutputLoss:
@@ -149,8 +172,6 @@ class RnnOutputLoss:
     indices or ``[n, time, k]`` targets."""
 
     def __init__(self, layer: RnnOutputLayer, masks: SequenceMask):
-        from dl4py.nn.builder import OutputLoss
-
         self.step_loss = OutputLoss(layer)
         self.masks = masks
         self.n_out = layer.n_out
@@ -169,4 +190,4 @@ class RnnOutputLoss:
         return self.step_loss.activate(scores.reshape(-1, self.n_out)).reshape(scores.shape)
 
 
-__all__ = ["SequenceMask", "RnnOutputLoss", "recurrent_parts"]
+__all__ = ["SequenceMask", "RnnOutputLoss"]

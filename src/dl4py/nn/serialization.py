@@ -26,6 +26,7 @@ from safetensors.torch import save as st_save
 from dl4py.errors import DataError
 from dl4py.io import atomic_write_bytes
 from dl4py.nn.model_file import FORMAT, FORMAT_VERSION, ModelFile, read_model_file
+from dl4py.version import __version__
 _KERNEL_KEYS = ("foreach", "fused")  # torch.optim's implementation flags
 
 
@@ -35,7 +36,6 @@ def save_model(model, path, save_updater: bool = True) -> None:
 
 def model_bytes(model, save_updater: bool = True) -> bytes:
     """The model file's content, in memory (what ``save`` writes)."""
-    from dl4py import __version__
 
     model.init()
     meta = {
@@ -45,11 +45,8 @@ def model_bytes(model, save_updater: bool = True) -> bytes:
         "dl4py_version": __version__,
         "torch_version": torch.__version__,
         "precision": model.precision.name,
-        "epoch_count": model.epoch_count,
-        "iteration_count": model.iteration_count,
-        "batch_in_epoch": model.batch_in_epoch,
-        "update_count": model.update_count,
-        "scaler": None if model.scaler is None else model.scaler.state_dict(),
+        **model.training_state.counters(),
+        "scaler": model.precision_state.state_dict(),
         "score": None if model.last_score is None else float(model.last_score),
         "module_class": f"{type(model.module).__module__}.{type(model.module).__qualname__}",
         "has_updater": save_updater,
@@ -61,8 +58,8 @@ def model_bytes(model, save_updater: bool = True) -> bytes:
         if model.kind in ("multilayer", "graph"):
             zf.writestr("config.json", model.config.to_json())
         zf.writestr("weights.safetensors", st_save(_cpu_tensors(model.module.state_dict())))
-        if model.master is not None:
-            zf.writestr("master.safetensors", st_save(_cpu_tensors(model.master.named_master_parameters())))
+        if model.precision_state.keeps_masters:
+            zf.writestr("master.safetensors", st_save(_cpu_tensors(model.precision_state.named_master_parameters())))
         if save_updater:
             state_json, state_tensors = _split_optimizer_state(model.optimizer.state_dict())
             zf.writestr("updater.json", json.dumps(state_json))
@@ -106,13 +103,10 @@ def restore_saved(model, saved: ModelFile) -> None:
         _match_parameter_layouts(model.optimizer)
     if saved.normalizer is not None:
         model.normalizer = saved.normalizer
-    model.epoch_count = meta["epoch_count"]
-    model.iteration_count = meta["iteration_count"]
-    model.batch_in_epoch = meta["batch_in_epoch"]
-    model.update_count = meta["update_count"]
-    if model.scaler is not None and meta.get("scaler"):
+    model.training_state.load_counters(meta)
+    if model.precision_state.scales_loss and meta.get("scaler"):
         try:
-            model.scaler.load_state_dict(meta["scaler"])
+            model.precision_state.load_state_dict(meta["scaler"])
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             raise DataError(f"{path}: the saved loss scaler state is not usable: {exc!r}") from None
     if meta.get("score") is not None:
@@ -122,10 +116,10 @@ def restore_saved(model, saved: ModelFile) -> None:
 @torch.no_grad()
 def _restore_masters(model, masters: dict[str, torch.Tensor] | None) -> None:
     """Float32 masters are the exact weights: prefer them over the 16-bit copies when present."""
-    if model.master is not None:
-        for name, param in model.master.named_master_parameters().items():
+    if model.precision_state.keeps_masters:
+        for name, param in model.precision_state.named_master_parameters().items():
             param.copy_(masters[name] if masters is not None else model.module.get_parameter(name))
-        model.master.master_to_module()
+        model.precision_state.after_sync()
     elif masters is not None:
         for name, value in masters.items():
             model.module.get_parameter(name).copy_(value)

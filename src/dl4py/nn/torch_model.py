@@ -11,6 +11,7 @@ from dl4py.backend import Backend, Precision
 from dl4py.backend.cuda_environment import environment
 from dl4py.errors import BackendError
 from dl4py.nn.model import Model
+from dl4py.nn.signature import Signature, torch_signature
 
 
 class TorchModel(Model):
@@ -70,3 +71,13 @@ class TorchModel(Model):
 
     def activate(self, outputs):
         return outputs if self._output_activation is None else self._output_activation(outputs)
+
+    def signature(self) -> Signature:
+        """No declared input shape (serve takes ``input_shape=``) nor output width; a classifier
+        unless ``loss`` is a regression loss (``nn.MSELoss``, ``F.l1_loss``, ...)."""
+        return torch_signature(self._loss_fn)
+
+    def summary(self) -> str:
+        """The module as torch prints it (a TorchModel has no layer table)."""
+        self.init()
+        return str(self.module)

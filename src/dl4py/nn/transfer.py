@@ -198,17 +198,16 @@ def _copy_kept(source, target, kept: list, layer_of=lambda root, key: root[key])
     precision keeps them). ``kept`` holds layer indices, or vertex names with ``layer_of``
     finding a vertex's module. A kept layer whose input size changed (below it,
     n_out_replace) cannot keep its weights and keeps its fresh ones."""
-    source_root = source.master.master_module if source.master is not None else source.module
-    target_root = target.master.master_module if target.master is not None else target.module
+    source_root, target_root = source.stepped_module, target.stepped_module
+    masters = target.precision_state.keeps_masters
     for key in kept:
         state, fresh = layer_of(source_root, key).state_dict(), layer_of(target_root, key).state_dict()
         if state.keys() == fresh.keys() and all(value.shape == fresh[name].shape for name, value in state.items()):
             layer_of(target_root, key).load_state_dict(state)
-            if target.master is not None:  # the 16-bit buffers (running statistics) as well
+            if masters:  # the 16-bit buffers (running statistics) as well
                 for name, buffer in layer_of(source.module, key).named_buffers():
                     layer_of(target.module, key).get_buffer(name).copy_(buffer)
-    if target.master is not None:
-        target.master.master_to_module()
+    target.precision_state.after_sync()
 
 
 def _graph_builder(graph):

@@ -17,8 +17,7 @@ import torch.distributed as dist
 
 def stepped_parameters(model) -> list[torch.Tensor]:
     """The tensors the updater steps: float32 masters when the precision keeps them."""
-    source = model.master.master_module if model.master is not None else model.module
-    return list(source.parameters())
+    return list(model.stepped_module.parameters())
 
 
 def replica_state(model, include_updater: bool) -> list[torch.Tensor]:
@@ -39,17 +38,17 @@ def agree_on_loss_scaling(model, device: torch.device) -> None:
     Between averages each worker's scaler follows its own batches' overflows, and skips its
     own steps; afterwards the replicas are one model again, so the state a checkpoint keeps
     (worker 0's) is every worker's, and a resumed run goes on as the uninterrupted one."""
-    scaler = model.scaler
-    if scaler is None or dist.get_world_size() == 1:
+    precision = model.precision_state
+    if not precision.scales_loss or dist.get_world_size() == 1:
         return
-    state = scaler.state_dict()  # reads the scale from the device: averaging waits for it anyway
+    state = precision.state_dict()  # reads the scale from the device: averaging waits for it anyway
     mine = torch.tensor([state["scale"], state["_growth_tracker"], model.update_count], dtype=torch.float64,
                         device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     scale, tracker = min((float(t[0]), int(t[1])) for t in every)
-    model.update_count = max(int(t[2]) for t in every)
-    scaler.load_state_dict({**state, "scale": scale, "_growth_tracker": tracker})
+    model.training_state.agree_on_updates(max(int(t[2]) for t in every))
+    precision.load_state_dict({**state, "scale": scale, "_growth_tracker": tracker})
 
 
 def _participant_count(took_part: bool, device: torch.device) -> float:

@@ -76,7 +76,7 @@ def rebuild_optimizer(replica, names_before: dict[int, str]) -> torch.optim.Opti
         for settings in [defaults, *groups, *whole["param_groups"]]:
             settings.update({key: False for key in _KERNEL_KEYS if key in settings})
     new = type(old)(groups, **defaults)
-    replica.optimizer = new
+    replica.convert(optimizer=new)
     _load_optimizer_state(replica.module, new, whole)
     return new
 
@@ -136,8 +136,9 @@ def _load_optimizer_state(module, optimizer, named: dict) -> None:
 
 
 def _check_precision(replica) -> None:
-    if replica.master is not None or replica.scaler is not None:
-        what = "keeps float32 master weights" if replica.master is not None else "scales the loss"
+    precision = replica.precision_state
+    if precision.keeps_masters or precision.scales_loss:
+        what = "keeps float32 master weights" if precision.keeps_masters else "scales the loss"
         raise NotImplementedError(
             f"precision '{replica.precision}' {what}, which distributed parameters do not "
             "support yet; use 'float', 'double' or 'mixed-bf16'"

@@ -18,7 +18,6 @@ from dl4py.parallel.wrapper import ParallelWrapper
 from dl4py.train.early_stopping.configuration import ERROR, EarlyStoppingConfiguration, EarlyStoppingResult
 from dl4py.train.early_stopping.controller import EarlyStoppingController
 from dl4py.train.early_stopping.trainer import progress_listeners
-from dl4py.train.history import History
 from dl4py.train.loop import TrainingInterrupted
 
 log = logging.getLogger("dl4py")
@@ -27,7 +26,7 @@ UNTIL_A_CONDITION_FIRES = 10**9  # epochs: the conditions end training, not a co
 
 class EarlyStoppingParallelTrainer:
     """``EarlyStoppingParallelTrainer(config, model, train, workers=2, averaging_frequency=3).fit()``;
-    other keyword arguments are the ParallelWrapper's."""
+    other keyword arguments are the ParallelWrapper's (``options=``: a ParallelOptions)."""
 
     def __init__(self, config: EarlyStoppingConfiguration, model, train, listeners=(), **wrapper_options):
         if not isinstance(config, EarlyStoppingConfiguration):
@@ -41,7 +40,9 @@ class EarlyStoppingParallelTrainer:
         model = self.wrapper.model
         listeners = [*self.listeners, *progress_listeners(verbose, self.config, model, self.train, self.listeners)]
         try:
-            summaries = self.wrapper._fit(self.train, UNTIL_A_CONDITION_FIRES, listeners, False, controller)
+            # verbose=0: the progress shown is the listeners' above, out of MaxEpochs' limit, not ``epochs``.
+            history = self.wrapper.fit(self.train, UNTIL_A_CONDITION_FIRES, listeners, verbose=0,
+                                       controller=controller)
         except (TrainingInterrupted, KeyboardInterrupt):
             raise
         except Exception as exc:
@@ -49,7 +50,7 @@ class EarlyStoppingParallelTrainer:
             return controller.result(ERROR, f"{type(exc).__name__}: {exc}")
         # The controller decided in this process (under torchrun: on rank 0 only).
         kind, details = self.wrapper.last_report.stop
-        return controller.result(kind, details, History(summaries))
+        return controller.result(kind, details, history)
 
     def close(self) -> None:
         """End the wrapper's worker processes."""

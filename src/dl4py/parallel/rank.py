@@ -5,7 +5,8 @@ process torchrun started (``launched.py``), and whatever runs ``ParallelWrapper.
 under torchrun's variables (a Spark task). The launcher has set up the process group and
 says where the batches come from, who sees the events and who decides on early stopping;
 the rank builds its replica from the fit's model, trains it epoch by epoch
-(``worker.train_epoch``) and reports, as a ``RankReport``.
+(``train.epoch.run_epoch``, meeting the other ranks round by round: ``round_meeting.py``)
+and reports, as a ``RankReport``.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import torch.distributed as dist
 from dl4py.backend.cuda_environment import Environment
 from dl4py.nn.serialization import model_bytes
 from dl4py.parallel.averaging import broadcast, replica_state, share_gradients, stepped_parameters
-from dl4py.parallel.options import DISTRIBUTED_MODES
+from dl4py.config.parallel import DISTRIBUTED_MODES
 from dl4py.parallel.phase import PHASE
-from dl4py.parallel.worker import WorkerSpec, build_replica, train_epoch, worker_device
-from dl4py.train.epoch import EpochSummary
+from dl4py.parallel.round_meeting import RoundMeeting
+from dl4py.parallel.worker import WorkerSpec, build_replica, worker_device
+from dl4py.train.epoch import EpochSummary, run_epoch
+from dl4py.train.listeners import Listeners
 
 
 @dataclass
@@ -59,50 +62,24 @@ def run_rank(rank: int, world: int, spec: WorkerSpec, source, *, should_stop=Non
     ``keep_state`` the report carries the trained replica (``RankReport.state``)."""
     PHASE.start_fit()
     device = worker_device(spec, rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    elif spec.threads:
-        torch.set_num_threads(spec.threads)  # workers sharing the cores must not oversubscribe them
-    if spec.environment is not None:  # installed as this process's environment
-        Environment.from_dict(spec.environment).apply(device)
-    replica = build_replica(spec, device)
-    replica.set_accumulate_batches(spec.accumulate_batches)  # a model file does not carry it
-    replica.module.train()
-    # All replicas start from worker 0's state, whatever each process built.
-    broadcast(replica_state(replica, include_updater=True), src=0)
-    if replica.master is not None:
-        replica.master.master_to_module()
-    layout = None  # how a sharded, tensor-parallel or hybrid fit's replica is laid out
-    if spec.options.training_mode in DISTRIBUTED_MODES:
-        # A private copy is trained distributed; rank 0 keeps a plain twin on the host (what
-        # is saved, scored and shown to the listeners, filled by each gather).
-        layout = _distributed_copy(replica, spec, device, keep_twin=rank == 0)
-        replica = layout.replica
+    replica, layout = _replica_for(rank, spec, device)
+    if layout is not None:  # listeners are shown rank 0's plain twin
         listeners = [TwinListener(listener, layout) for listener in listeners]
-    if spec.options.training_mode == "shared_gradients":
-        params = stepped_parameters(replica)
-
-        def share(took_part):
-            share_gradients(params, took_part)
-
-        replica.share_gradients(share)  # every step averages the gradients before its update
-    for listener in listeners:
-        listener.on_fit_start(replica)
+    listeners = Listeners(listeners)
+    listeners.on_fit_start(replica)
     report = RankReport()
+    meeting = RoundMeeting(rank, world, spec, source, device, report, should_stop)
     for condition in spec.iteration_conditions:
         condition.initialize()  # MaxTime counts from here, in this process
     try:
         for _ in range(spec.epochs):
-            summary = train_epoch(replica, rank, world, spec, source, device, report, listeners, should_stop)
+            summary = run_epoch(replica, meeting, listeners)
             report.summaries.append(summary)
             if report.stop is not None or not summary.completed:
                 break  # an iteration condition fired, or a stop was asked for: all stopped in the same round
             PHASE.enter("end of epoch")  # rank 0's listeners (a checkpoint, validation) keep the others waiting
-            judged = replica
-            if layout is not None:
-                judged = layout.gather()  # every rank takes part; rank 0's twin holds the epoch's state
-            for listener in listeners:
-                listener.on_epoch_end(replica, summary)
+            judged = replica if layout is None else layout.gather()  # every rank takes part; rank 0's twin holds it
+            listeners.on_epoch_end(replica, summary)
             # Asked even after a stop voted in the epoch's last round: the relay has sent the
             # epoch's end, and the coordinator's answer must not be left for the next fit.
             if spec.early_stopping and _epoch_decision(judged, decide, rank, device, report):
@@ -117,22 +94,56 @@ def run_rank(rank: int, world: int, spec: WorkerSpec, source, *, should_stop=Non
         replica.share_gradients(None)
         # A pool's worker 0 has the relay as listener: an interrupted fit ends in the
         # coordinator, which restores this replica's state and runs on_fit_end(model, True).
-        for listener in listeners:
-            listener.on_fit_end(replica, report.interrupted)
+        listeners.on_fit_end(replica, report.interrupted)
     if spec.record_examples:
         report.records = torch.cat(report.records).tolist() if report.records else []
-    if layout is not None:
-        # Rank 0's twin holds the state. Under torchrun every rank's model takes it (rank 0's
-        # file, sent to all); in a pool only worker 0 keeps it: asked of all, so all agree.
-        others_keep = torch.tensor([1.0 if keep_state and rank != 0 else 0.0], device=device)
-        dist.all_reduce(others_keep, op=dist.ReduceOp.MAX)
-        state = [model_bytes(layout.twin) if rank == 0 and keep_state else None]
-        if others_keep.item() > 0:
-            dist.broadcast_object_list(state, src=0)
-        report.state = state[0] if keep_state else None
-    elif keep_state:
-        report.state = model_bytes(replica)
+    if keep_state or layout is not None:
+        report.state = _trained_state(replica, layout, rank, keep_state, device)
     return report
+
+
+def _replica_for(rank: int, spec: WorkerSpec, device):
+    """This rank's replica, on ``device``, at worker 0's state, as the training mode lays it
+    out: ``(replica, layout)``, the layout None for the data-parallel modes."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif spec.threads:
+        torch.set_num_threads(spec.threads)  # workers sharing the cores must not oversubscribe them
+    if spec.environment is not None:  # installed as this process's environment
+        Environment.from_dict(spec.environment).apply(device)
+    replica = build_replica(spec, device)
+    replica.set_accumulate_batches(spec.accumulate_batches)  # a model file does not carry it
+    replica.module.train()
+    # All replicas start from worker 0's state, whatever each process built.
+    broadcast(replica_state(replica, include_updater=True), src=0)
+    replica.precision_state.after_sync()
+    if spec.options.training_mode in DISTRIBUTED_MODES:
+        # A private copy is trained distributed; rank 0 keeps a plain twin on the host (what
+        # is saved, scored and shown to the listeners, filled by each gather).
+        layout = _distributed_copy(replica, spec, device, keep_twin=rank == 0)
+        return layout.replica, layout
+    if spec.options.training_mode == "shared_gradients":
+        params = stepped_parameters(replica)
+
+        def share(took_part):
+            share_gradients(params, took_part)
+
+        replica.share_gradients(share)  # every step averages the gradients before its update
+    return replica, None
+
+
+def _trained_state(replica, layout, rank: int, keep_state: bool, device) -> bytes | None:
+    """The trained model's file for the report (``keep_state``). With a layout, rank 0's twin
+    holds the state: under torchrun every rank's model takes it (rank 0's file, sent to all);
+    in a pool only worker 0 keeps it. Asked of all ranks (a collective), so all agree."""
+    if layout is None:
+        return model_bytes(replica)
+    others_keep = torch.tensor([1.0 if keep_state and rank != 0 else 0.0], device=device)
+    dist.all_reduce(others_keep, op=dist.ReduceOp.MAX)
+    state = [model_bytes(layout.twin) if rank == 0 and keep_state else None]
+    if others_keep.item() > 0:
+        dist.broadcast_object_list(state, src=0)
+    return state[0] if keep_state else None
 
 
 def _distributed_copy(replica, spec: WorkerSpec, device, keep_twin: bool):
@@ -169,7 +180,7 @@ def _distributed_copy(replica, spec: WorkerSpec, device, keep_twin: bool):
     plan = apply_tensor_parallel(working, mesh, hybrid=mode == "hybrid")
     working.share_gradients(plan.gradient_hook)
     layout = TensorParallelReplica(working, plan, twin)
-    working.parallel_layout = layout
+    working.lay_out(layout)
     return layout
 
 
@@ -182,11 +193,9 @@ class TwinListener:
         self.listener, self.layout = listener, layout
 
     def _twin(self):
-        from dl4py.parallel.sharding import copy_counters
-
         if self.layout.twin is None:  # a rank without the twin: its own (distributed) replica
             return self.layout.replica
-        copy_counters(self.layout.replica, self.layout.twin)
+        self.layout.twin.training_state.copy_from(self.layout.replica.training_state)
         return self.layout.twin
 
     def on_fit_start(self, model):

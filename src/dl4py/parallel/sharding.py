@@ -138,7 +138,7 @@ def to_plain(state: dict[str, torch.Tensor], split: dict[str, int]) -> dict[str,
 
 def stepped_module(model) -> nn.Module:
     """The module whose parameters the updater steps: the float32 masters when kept."""
-    return model.master.master_module if model.master is not None else model.module
+    return model.stepped_module
 
 
 class ShardedReplica:
@@ -149,12 +149,18 @@ class ShardedReplica:
         self.replica, self.split, self.mesh, self.twin = replica, split, mesh, twin
         self.last_batch = None  # (features, labels) this rank trained last: a round it sits out reuses them
         self.data_workers = dist.get_world_size()  # every rank trains batches of its own
-        self.steps_on_empty_batches = False  # a rank without a batch steps with none (the gradient hook's part)
         self._gathered_at = None  # the replica's counters at the last gather
 
     # -- the step ------------------------------------------------------------------
+    def data_rank(self, rank: int) -> int:
+        return rank
+
     def remember(self, features, labels) -> None:
         self.last_batch = (features, labels)
+
+    def sit_out(self) -> None:
+        """A round without a batch: a step with none (``gradient_hook`` does the collectives' part)."""
+        self.replica.train_step(None, None)
 
     def gradient_hook(self, took_part: bool) -> None:
         """Between backward and update. FSDP reduced the gradients in backward as the mean
@@ -179,7 +185,7 @@ class ShardedReplica:
         was_training = module.training
         module.eval()  # no batch-norm statistics or dropout draws from a batch already trained
         try:
-            with self.replica.precision.forward_context(self.replica.backend.device):
+            with self.replica.precision_state.forward_context():
                 outputs = module(features)
             (self.replica.loss(outputs.float(), labels) * 0.0).backward()
         finally:
@@ -196,7 +202,7 @@ class ShardedReplica:
             get_optimizer_state_dict,
         )
 
-        moment = (self.replica.iteration_count, self.replica.update_count, self.replica.epoch_count)
+        moment = self.replica.training_state.moment
         if moment == self._gathered_at:  # nothing trained since: the same on every rank
             return self.twin
         self._gathered_at = moment
@@ -210,9 +216,9 @@ class ShardedReplica:
         load_into_plain(self.twin, to_plain(model_state, self.split),
                         _joined_optimizer_state(optim_state["state"], self.split),
                         _plain_groups(optim_state["param_groups"], self.split))
-        copy_counters(self.replica, self.twin)
-        if self.replica.scaler is not None:  # the loss scale goes with the state: a checkpoint carries it
-            self.twin.scaler.load_state_dict(self.replica.scaler.state_dict())
+        self.twin.training_state.copy_from(self.replica.training_state)
+        if self.replica.precision_state.scales_loss:  # the loss scale goes with the state: a checkpoint carries it
+            self.twin.precision_state.load_state_dict(self.replica.precision_state.state_dict())
         return self.twin
 
 
@@ -247,8 +253,8 @@ def load_into_plain(model, module_state: dict, optimizer_state: dict, groups: li
     stepped = stepped_module(model)
     for name, tensor in stepped.state_dict().items():
         tensor.copy_(module_state[name])
-    if model.master is not None:
-        model.master.master_to_module()
+    if model.precision_state.keeps_masters:
+        model.precision_state.after_sync()
         for name, buffer in model.module.named_buffers():
             buffer.copy_(module_state[name])
     names = {id(p): n for n, p in stepped.named_parameters()}
@@ -259,12 +265,6 @@ def load_into_plain(model, module_state: dict, optimizer_state: dict, groups: li
         "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in g["params"]]}
                          for g in groups],
     })
-
-
-def copy_counters(source, target) -> None:
-    for name in ("epoch_count", "iteration_count", "update_count", "batch_in_epoch"):
-        setattr(target, name, getattr(source, name))
-    target.set_score(source.last_score)
 
 
 def _inputs_needing_gradients(module, args):
@@ -284,7 +284,7 @@ def shard_replica(replica, mesh, twin=None) -> ShardedReplica:
     handed to ``fully_shard``, its updater rebuilt over the shards with the state it had.
     ``twin``: the plain model ``gather`` fills (None on ranks that need none)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     stepped = stepped_module(replica)
     names = {id(p): n for n, p in stepped.named_parameters()}
@@ -296,16 +296,13 @@ def shard_replica(replica, mesh, twin=None) -> ShardedReplica:
     # DTensor has no sharding rule for the fused ones anyway.
     kernel.update(fused=False, foreach=False)
     optimizer_class = type(replica.optimizer)
-    low = replica.module.parameters().__next__().dtype if replica.master is not None else None
     split = split_large_linears(stepped)
-    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low is not None else None
+    policy = replica.precision_state.fsdp_policy()
     for unit in sharding_units(stepped) + [stepped]:
         if policy is None:
             fully_shard(unit, mesh=mesh)
         else:
             fully_shard(unit, mesh=mesh, mp_policy=policy)
-    # The masters, sharded, are what runs now: FSDP casts them to 16 bits for each gathered unit.
-    replica.module, replica.master = stepped, None
     stepped.register_forward_pre_hook(_inputs_needing_gradients)
     by_name = dict(stepped.named_parameters())
     new_groups = []
@@ -316,7 +313,9 @@ def shard_replica(replica, mesh, twin=None) -> ShardedReplica:
         settings = {k: v for k, v in group.items() if k not in ("params", "fused", "foreach")}
         new_groups.append({**settings, **{k: kernel[k] for k in ("fused", "foreach") if k in kernel},
                            "params": params})
-    replica.optimizer = optimizer_class(new_groups, **kernel)
+    # The masters, sharded, are what runs now: FSDP casts them for each gathered unit.
+    replica.convert(module=stepped, optimizer=optimizer_class(new_groups, **kernel),
+                    precision_state=replica.precision_state.for_sharded(stepped))
     if state:
         blocked = {}
         for name, entries in state.items():
@@ -337,6 +336,6 @@ def shard_replica(replica, mesh, twin=None) -> ShardedReplica:
                                  {"state": blocked, "param_groups": param_groups},
                                  options=StateDictOptions(full_state_dict=True))
     sharded = ShardedReplica(replica, split, mesh, twin)
-    replica.parallel_layout = sharded
+    replica.lay_out(sharded)
     replica.share_gradients(sharded.gradient_hook)  # also drops the step made for the old module
     return sharded

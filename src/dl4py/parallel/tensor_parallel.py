@@ -180,7 +180,8 @@ def apply_tensor_parallel(replica, mesh, hybrid: bool = False) -> TensorParallel
     if hybrid:
         group = tensor_mesh.get_group()
         module[gather_at].register_forward_pre_hook(lambda _layer, args: (gather_rows(args[0], group),) + args[1:])
-        loss = replica.loss = _GatheredLoss(replica.loss, group)  # labels join their gathered rows
+        loss = _GatheredLoss(replica.loss, group)  # labels join their gathered rows
+        replica.convert(loss=loss)
         plan.data_parallel = [name for name, p in module[:gather_at].named_parameters() if p.requires_grad]
         params = [p for p in module[:gather_at].parameters() if p.requires_grad]
 

@@ -35,19 +35,20 @@ import dataclasses
 import json
 import os
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from dl4py.backend.cuda_environment import environment
+from dl4py.config.parallel import ParallelOptions, check_mode_fits_model, given_options
 from dl4py.errors import ConfigError, DataError
 from dl4py.nn.model import Model, as_iterator
-from dl4py.nn.serialization import restore_state
+from dl4py.parallel.coordinator import Coordinator, RanksEnded
 from dl4py.parallel.dl4j_options import note_dl4j_options
 from dl4py.parallel.events import EventReplay
 from dl4py.parallel.launched import launched_by_torchrun, launched_world, run_launched_rank
 from dl4py.parallel.main_guard import check_main_guard
-from dl4py.parallel.options import ParallelOptions, check_mode_fits_model
 from dl4py.parallel.pool import PoolLayout, WorkerPool
 from dl4py.parallel.preflight import check_picklable, check_world, own_source, private_copy, process_group_backend
 from dl4py.parallel.rank import RankReport
@@ -88,7 +89,8 @@ class ParallelWrapper:
     one that cannot apply is an error. DL4J's options that dl4py has no use for
     (``use_legacy_averaging``, ``workspace_mode``, ...) are accepted and noted in the log
     (``dl4j_options.py``). The options can be changed between fits: a fit that needs other
-    worker processes starts them."""
+    worker processes starts them. ``options``: a ``ParallelOptions`` in place of the keywords
+    (a run config's ``training.parallel_options()``), taken as it is once validated."""
 
     workers = _Option()
     prefetch_buffer = _Option()
@@ -112,35 +114,50 @@ class ParallelWrapper:
         devices: list | None = None,
         timeout: float = 300.0,
         tensor_parallel_size: int | None = None,
+        *,
+        options: ParallelOptions | None = None,
         **dl4j_options,
     ):
         if not isinstance(model, Model):
             raise TypeError(f"ParallelWrapper needs a dl4py model (MultiLayerNetwork or TorchModel), got {type(model).__name__}")
-        note_dl4j_options(dl4j_options, ParallelOptions.names())
+        note_dl4j_options(dl4j_options, [*ParallelOptions.names(), "options"])
         self.model = model
-        self.options = ParallelOptions(
+        keywords = dict(
             workers=workers, prefetch_buffer=prefetch_buffer, averaging_frequency=averaging_frequency,
             report_score_after_averaging=report_score_after_averaging, average_updaters=average_updaters,
             training_mode=training_mode, devices=devices, timeout=timeout, tensor_parallel_size=tensor_parallel_size,
-        ).validate()
+        )
+        self.options = given_options(options, keywords, "ParallelWrapper")
         self.last_records: dict[int, list[float]] = {}
         self.last_report: RankReport | None = None
         self._pool = WorkerPool()
 
     # ---- public ---------------------------------------------------------------------------
     def fit(self, iterator, epochs: int = 1, listeners=(), *, validation=None, metrics=None, verbose="auto",
-            accumulate_batches: int | None = None, _record_examples: bool = False) -> History:
+            accumulate_batches: int | None = None, controller=None, _record_examples: bool = False) -> History:
         """Train ``epochs`` epochs; the model then holds the averaged parameters. With
         ``validation`` (anything ``Model.fit`` accepts), the averaged model is scored after
         each epoch, as ``Model.fit`` does. ``verbose`` as ``Model.fit``'s: this process
         draws the bar (or the lines), counting every worker's batches. ``accumulate_batches``
         as ``Model.fit``'s (the model's setting; None keeps it): each worker sums the
         gradients of that many of its own batches into each update. Returns the History
-        of the epochs."""
+        of the epochs.
+
+        ``controller``: an ``EarlyStoppingController`` that decides when training stops,
+        ``epochs`` being then at most: every worker asks its iteration conditions after each
+        round, and this process (rank 0 under torchrun) scores the averaged model after each
+        epoch and decides; ``last_report.stop`` then says which condition fired, e.g.
+
+            controller = EarlyStoppingController(config)
+            history = wrapper.fit(train, 100, controller=controller, verbose=0)
+            result = controller.result(*wrapper.last_report.stop, history)
+
+        (what ``EarlyStoppingParallelTrainer.fit`` does)."""
         if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
             raise ConfigError("epochs", f"must be a positive integer, got {epochs!r}")
         if accumulate_batches is not None:
             self.model.set_accumulate_batches(accumulate_batches)
+        # Anything Model.fit accepts (a DataLoader, a DataFrame, arrays, ...), as an iterator.
         iterator = as_iterator(iterator, None, seed=getattr(self.model, "seed", 0), training=True)
         listeners = list(listeners)
         listeners += console_listeners(verbose, self.model.epoch_count + epochs, batches_of(iterator), listeners)
@@ -150,7 +167,7 @@ class ParallelWrapper:
             self.model.check_data(held_out)
             validator = EpochValidation(held_out, None if metrics is None else list(metrics))
             listeners = [validator, *listeners]
-        summaries = self._fit(iterator, epochs, listeners, _record_examples, None)
+        summaries = self._train(iterator, epochs, listeners, _record_examples, controller)
         return History(validator.apply(summaries) if validator is not None else summaries)
 
     def close(self) -> None:
@@ -165,15 +182,13 @@ class ParallelWrapper:
         self.close()
         return False
 
-    def _fit(self, iterator, epochs, listeners, record, controller) -> list[EpochSummary]:
+    def _train(self, iterator, epochs, listeners, record, controller) -> list[EpochSummary]:
         """Train; with an early-stopping ``controller``, until its conditions say stop.
         ``self.last_report`` then holds worker 0's report (its controller and stop reason)."""
         launched = launched_by_torchrun()
         if not launched:
             check_main_guard()  # before anything else: spawned workers would run the script's top level
         self.model.init()
-        # Anything Model.fit accepts (a DataLoader, a DataFrame, arrays, ...), as an iterator.
-        iterator = as_iterator(iterator, None, seed=getattr(self.model, "seed", 0), training=True)
         self.model.check_data(iterator)  # every label of in-memory data, before any worker starts
         if self.model.batch_in_epoch:
             self._check_resumable(iterator)
@@ -225,7 +240,7 @@ class ParallelWrapper:
             epochs=epochs,
             options=self.options,
             devices=devices,
-            precision=self.model.precision.name,
+            precision=self.model.precision,  # the policy itself, settings and all
             threads=cpu_threads_per_worker(cpu_workers, launched_by_torchrun()) if cpu_workers else None,
             environment=environment().to_dict(),  # every worker applies the same settings
             record_examples=record,
@@ -252,34 +267,34 @@ class ParallelWrapper:
                             max(self.options.prefetch_buffer, 1), self.options.timeout,
                             json.dumps(spec.environment, sort_keys=True, default=str))
         with tempfile.TemporaryDirectory(prefix="dl4py-parallel-") as tmp, DeferredInterrupt() as interrupt:
-            spec.model_file = str(Path(tmp) / "model.dl4py")  # the model as of this fit, changes included
-            self.model.save(spec.model_file)
+            coordinator = Coordinator(self.model, replay)
+            spec.model_file = coordinator.save(Path(tmp) / "model.dl4py")  # the model as of this fit, changes included
             # Parts of listeners that read worker 0's live replica (a StatsListener's); from here
             # until on_fit_end those listeners take their records from the relay.
             spec.listener_parts = replay.worker_parts(world)
-            replay.fit_start()
-            failed = True  # on any error the workers are killed at once, and the pool closed
-            try:
-                self._pool.ensure(layout, spec.log_level)
-                replay.decisions = self._pool.decisions if self._controller is not None else None  # read by worker 0
-                dealt, copies = self._dealt(iterator, world) if spec.source is None else (iterator, 1)
-                reports = self._pool.run(spec, dealt, self.model.epoch_count, self.model.batch_in_epoch * copies,
-                                         replay, interrupt)
-                failed = False
-            except KeyboardInterrupt:  # a second Ctrl-C / SIGTERM
-                raise TrainingInterrupted(f"parallel training stopped by {interrupt.cause or 'Ctrl-C'}; every worker "
-                                          "was stopped at once (second signal) and the model keeps its state from "
-                                          "before this fit") from None
-            finally:
-                if failed:  # the promise of every failure: the model as it was before this fit
-                    replay.abandon(spec.model_file)
-            restore_state(self.model, reports[0].state)
-            reports[0].state = None  # it is in the model now
-            if reports[0].interrupted:  # a signal after the workers' last vote: the fit completed
-                # A signal here (a terminal's Ctrl-C reaches the workers too) is the one to name.
-                self._end_interrupted(replay, interrupt.cause or reports[0].stop_cause("worker") or "Ctrl-C")
-            replay.fit_end(False)
-        return reports
+            return coordinator.run(lambda: self._run_workers(spec, layout, iterator, world, replay, interrupt))
+
+    def _run_workers(self, spec, layout, iterator, world, replay, interrupt) -> RanksEnded:
+        """The pool's workers train this fit; on any error they are killed at once, and the
+        pool closed."""
+        try:
+            self._pool.ensure(layout, spec.log_level)
+            replay.decisions = self._pool.decisions if self._controller is not None else None  # read by worker 0
+            dealt, copies = self._dealt(iterator, world) if spec.source is None else (iterator, 1)
+            reports = self._pool.run(spec, dealt, self.model.epoch_count, self.model.batch_in_epoch * copies,
+                                     replay, interrupt)
+        except KeyboardInterrupt:  # a second Ctrl-C / SIGTERM
+            raise TrainingInterrupted(f"parallel training stopped by {interrupt.cause or 'Ctrl-C'}; every worker "
+                                      "was stopped at once (second signal) and the model keeps its state from "
+                                      "before this fit") from None
+        first = reports[0]
+        state, first.state = first.state, None  # the model takes it
+        interrupted = None
+        if first.interrupted:  # a signal after the workers' last vote: the fit completed
+            # A signal here (a terminal's Ctrl-C reaches the workers too) is the one to name.
+            cause = interrupt.cause or first.stop_cause("worker") or "Ctrl-C"
+            interrupted = partial(self._interrupted, cause, "worker")
+        return RanksEnded(reports, state, interrupted)
 
     def _dealt(self, iterator, world: int):
         """What this process deals to the workers, and how many times each batch: read as
@@ -288,13 +303,6 @@ class ParallelWrapper:
         shape = self.options.mesh_shape(world)  # (world,): one tensor group; (groups, tensor ranks)
         copies = (world if len(shape) == 1 else shape[1]) if self.options.training_mode == "tensor" else 1
         return GroupCopies(SeededReading(iterator, getattr(self.model, "seed", 0)), copies), copies
-
-    def _end_interrupted(self, replay: EventReplay, cause: str) -> None:
-        """The model holds worker 0's state from the round the workers stopped after; the
-        listeners' interrupted end (a CheckpointListener's save) runs in this process, the
-        one that owns the run directory."""
-        replay.fit_end(True)
-        raise self._interrupted(cause, "worker")
 
     def _interrupted(self, cause: str, noun: str) -> TrainingInterrupted:
         model = self.model

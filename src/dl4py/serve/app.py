@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import uuid
 
 from dl4py.errors import DataError, InferenceError, MissingDependencyError
+from dl4py.nn.model import Model
 from dl4py.serve.body import RequestError
 from dl4py.serve.service import Service, load_model
 
@@ -24,7 +26,7 @@ log = logging.getLogger("dl4py.serve")
 
 def _starlette():
     try:
-        import starlette  # noqa: F401
+        import starlette  # optional: starlette (extra serve)  # noqa: F401
     except ImportError:
         raise MissingDependencyError("dl4py serve", "starlette", "serve") from None
 
@@ -41,13 +43,13 @@ def make_app(model, **options):
     is closed when the app's lifespan ends.
     """
     _starlette()
-    from starlette.applications import Starlette
-    from starlette.exceptions import HTTPException
-    from starlette.routing import Route
+    from starlette.applications import Starlette  # optional: starlette (extra serve)
+    from starlette.exceptions import HTTPException  # optional: starlette (extra serve)
+    from starlette.routing import Route  # optional: starlette (extra serve)
 
     backend = options.pop("backend", None)
     model_file = None
-    if not hasattr(model, "output"):
+    if not isinstance(model, Model):  # a model file or a run directory
         model_file = model
         model = load_model(model, backend=backend)
     service = Service(model, model_file=model_file, **options)
@@ -91,7 +93,7 @@ async def _prediction(request, service: Service, request_id: str) -> tuple[int, 
     if media_type != "application/json":
         shown = f"got {media_type!r}" if media_type else "got none"
         return 415, f"POST /predict takes Content-Type application/json, {shown}"
-    from starlette.requests import ClientDisconnect
+    from starlette.requests import ClientDisconnect  # optional: starlette (extra serve)
 
     try:
         body = await _read_body(request, service.max_body_bytes, service.body_timeout)
@@ -183,9 +185,7 @@ async def _internal_error(request, error):
 
 def _json_response(status: int, body, request_id: str | None = None, headers=None):
     """``body``: JSON bytes already made, a message (for an error), or a dict."""
-    import json
-
-    from starlette.responses import Response
+    from starlette.responses import Response  # optional: starlette (extra serve)
 
     if isinstance(body, str):
         body = {"error": body, **({"request_id": request_id} if request_id else {})}

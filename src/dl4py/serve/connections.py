@@ -121,7 +121,7 @@ def _free_descriptors() -> tuple[int, int] | None:
     """(the soft open-file limit, how many more files this process may open less a reserve),
     or None where there is no such limit (no ``resource`` module, or unlimited)."""
     try:
-        import resource  # POSIX only: a missing limit is no limit to keep under
+        import resource  # optional: resource (POSIX only: a missing limit is no limit to keep under)
     except ImportError:
         return None
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -148,8 +148,8 @@ def answer_bytes(status: int, message: str, retry_after: int | None = None) -> b
 def guarded_protocol(limits: ConnectionLimits):
     """uvicorn's h11 protocol under ``limits`` (validated): a class for ``uvicorn.Config(http=...)``."""
     # uvicorn and h11 are the optional dependencies of dl4py[serve]: loaded when a server is made.
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+    import h11  # optional: h11 (extra serve, through uvicorn)
+    from uvicorn.protocols.http.h11_impl import H11Protocol  # optional: uvicorn (extra serve)
 
     warned = [-math.inf]  # when a refusal was last logged: a flood gets a line every so often
 

@@ -36,7 +36,7 @@ STARTUP_SECONDS = 60.0
 
 def _uvicorn():
     try:
-        import uvicorn
+        import uvicorn  # optional: uvicorn (extra serve)
     except ImportError:
         raise MissingDependencyError("dl4py serve", "uvicorn", "serve") from None
     return uvicorn

@@ -19,6 +19,10 @@ import numpy as np
 import torch
 
 from dl4py.errors import ConfigError, DataError
+from dl4py.export.wrapper import example_shape
+from dl4py.inference import ParallelInference
+from dl4py.nn import load
+from dl4py.run_dir import MODEL
 from dl4py.serve.body import read_features
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # about 500 MNIST images as JSON text
@@ -28,9 +32,6 @@ DEFAULT_BODY_TIMEOUT = 10.0  # the longest pause while a body arrives
 
 def load_model(path, backend=None):
     """A saved model (``model.dl4py``, or a run directory holding one), as ``dl4py predict`` reads it."""
-    from dl4py.nn import load
-    from dl4py.runner import MODEL
-
     path = Path(path)
     return load(path / MODEL if path.is_dir() else path, backend=backend)
 
@@ -42,8 +43,6 @@ class Service:
                  batch_limit: int = 32, queue_limit: int = 64, queue_timeout: float = DEFAULT_QUEUE_TIMEOUT,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout: float = DEFAULT_BODY_TIMEOUT,
                  input_shape=None, labels=None):
-        from dl4py.inference import ParallelInference
-
         for name, value in (("max_body_bytes", max_body_bytes), ("queue_limit", queue_limit)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(name, f"must be a whole number >= 1, got {value!r}")
@@ -52,9 +51,10 @@ class Service:
         if isinstance(body_timeout, bool) or not isinstance(body_timeout, (int, float)) or not 0 < body_timeout < inf:
             raise ConfigError("body_timeout", f"must be seconds > 0, got {body_timeout!r}")
         self.model = model
-        self.example_shape = _example_shape(model, input_shape)
-        outputs = _output_width(model, self.example_shape)
-        self.classifier = _is_classifier(model)
+        signature = model.signature()
+        self.example_shape = _example_shape(model, signature, input_shape)
+        outputs = _output_width(model, signature, self.example_shape)
+        self.classifier = signature.classifier
         self.labels = _checked_labels(labels, outputs, self.classifier)
         self.max_body_bytes, self.queue_limit, self.queue_timeout = max_body_bytes, queue_limit, float(queue_timeout)
         self.body_timeout = float(body_timeout)
@@ -131,46 +131,32 @@ class Service:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _example_shape(model, input_shape) -> tuple[int, ...]:
+def _example_shape(model, signature, input_shape) -> tuple[int, ...]:
     if input_shape is not None:
         shape = tuple(input_shape) if isinstance(input_shape, (list, tuple)) else (input_shape,)
         if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape):
             raise ConfigError("input_shape", f"must be one example's shape, whole numbers >= 1, got {input_shape!r}")
         return shape
-    if getattr(model, "config", None) is None:
+    if signature.input_shape is None:
         raise ConfigError("input_shape", f"a {type(model).__name__} has no config to read its input shape from; "
                                          "give input_shape=(...), one example's shape")
-    from dl4py.export.wrapper import example_shape
-
     try:
         return example_shape(model)
     except DataError as exc:
         raise DataError(f"dl4py serve: {exc}") from None
 
 
-def _output_width(model, example_shape) -> int:
+def _output_width(model, signature, shape) -> int:
     """The number of output columns; a graph with several outputs cannot be served (yet)."""
-    config = getattr(model, "config", None)
-    layers = config.output_layers() if hasattr(config, "output_layers") else None
-    if layers is not None and len(layers) > 1:
-        raise DataError(f"dl4py serve takes a model with one output; this graph has {len(layers)} "
+    outputs = signature.outputs
+    if len(outputs) > 1:
+        raise DataError(f"dl4py serve takes a model with one output; this graph has {len(outputs)} "
                         "(serve each through its own ParallelInference in Python)")
-    if layers:
-        return int(layers[0].n_out)
-    if config is not None and getattr(config, "layers", None):
-        return int(config.layers[-1].n_out)
+    if outputs[0].size is not None:
+        return outputs[0].size
     model.init()
     with torch.no_grad():  # a TorchModel: one example of zeros tells
-        return int(model.output(np.zeros((1, *example_shape), dtype=np.float32)).shape[-1])
-
-
-def _is_classifier(model) -> bool:
-    from dl4py.eval.select import is_regression_loss, output_loss
-
-    config = getattr(model, "config", None)
-    if hasattr(config, "output_layers"):
-        return not is_regression_loss(getattr(config.output_layers()[0], "loss", None))
-    return not is_regression_loss(output_loss(model))
+        return int(model.output(np.zeros((1, *shape), dtype=np.float32)).shape[-1])
 
 
 def _classes(values: np.ndarray) -> np.ndarray:

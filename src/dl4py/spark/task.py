@@ -3,9 +3,10 @@
 TorchDistributor starts one ``torchrun`` per task, so ``RANK``, ``WORLD_SIZE`` and
 ``LOCAL_RANK`` are set and ``ParallelWrapper.fit`` runs as it does under torchrun: the
 same rank program for every launcher. ``TaskJob`` is all a rank receives (by pickle):
-the model as the bytes of its saved file, the data, and the wrapper's options. The
-process torchrun starts forks the rank and watches it (``supervisor.py``); every rank
-tells the driver where it runs and how it ended (``reports.py``).
+the model as the bytes of its saved file, the data, and the driver's ``ParallelOptions``
+(validated there, taken here as they are). The process torchrun starts forks the rank and
+watches it (``supervisor.py``); every rank tells the driver where it runs and how it
+ended (``reports.py``).
 """
 
 from __future__ import annotations
@@ -16,8 +17,12 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing import AuthenticationError
 
+from dl4py.backend import Precision
+from dl4py.config.parallel import ParallelOptions
 from dl4py.errors import DL4PyError
+from dl4py.parallel.events import EventRelay
 from dl4py.parallel.processes import is_lost_peer
+from dl4py.parallel.wrapper import ParallelWrapper
 from dl4py.spark.events import DriverLine, send_once
 from dl4py.spark.reports import (ERROR, LOST_PEER, STOPPED, TASK_GONE, USER_ERROR, RankExited, RankFailed,
                                  RankFinished, RankStarted, TaskProcesses, ended_above)
@@ -33,9 +38,9 @@ class TaskJob:
     validation: object | None
     metrics: list | None
     epochs: int
-    options: dict  # the ParallelWrapper's
+    options: ParallelOptions  # validated by the driver
     use_gpu: bool
-    precision: str
+    precision: Precision  # the policy object, its settings (max_skipped_steps) included
     address: tuple[str, int]  # the driver's EventServer
     key: bytes
     relay: bool  # rank 0 sends its epochs (the driver has listeners) ...
@@ -86,18 +91,15 @@ def train_task(job: TaskJob):
 
 
 def _train(job: TaskJob, rank: int, line):
-    from dl4py.parallel import ParallelWrapper
-    from dl4py.parallel.events import EventRelay
-
     model = _replica(job)
     listeners = []
     if rank == 0 and job.relay:
-        relay = EventRelay(line, None, job.relay_iterations, job.options["timeout"], parts=job.listener_parts)
+        relay = EventRelay(line, None, job.relay_iterations, job.options.timeout, parts=job.listener_parts)
         listeners.extend([*relay.parts, relay])
     # verbose=0: the driver shows progress, from the relayed events; a task prints none.
-    history = ParallelWrapper(model, **job.options).fit(job.data, epochs=job.epochs, listeners=listeners,
-                                                        validation=job.validation, metrics=job.metrics,
-                                                        verbose=0, accumulate_batches=job.accumulate_batches)
+    history = ParallelWrapper(model, options=job.options).fit(job.data, epochs=job.epochs, listeners=listeners,
+                                                              validation=job.validation, metrics=job.metrics,
+                                                              verbose=0, accumulate_batches=job.accumulate_batches)
     if rank != 0:
         return None
     from dl4py.nn.serialization import model_bytes

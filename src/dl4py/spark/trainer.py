@@ -9,7 +9,9 @@ TorchDistributor (a barrier stage: all run at once), and waits. Each task runs
 saved bytes. Rank 0 streams its events here, where the fit's listeners run
 (``events.py``), and returns the trained model file, which ``model`` then takes. A rank
 that fails or dies stops the job; ``fit`` raises one ``WorkerError`` naming it and how
-(``verdict.py``), or a ``TrainingError`` naming the Spark JVM when that died.
+(``verdict.py``), or a ``TrainingError`` naming the Spark JVM when that died. The fit's
+tail (listeners' start and end, the model put back after a failure) is the pool's own
+(``parallel/coordinator.py``).
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import threading
 import time
 import uuid
 
+from dl4py.config.parallel import ParallelOptions, given_options
 from dl4py.errors import ConfigError, TrainingError
 from dl4py.nn.model import Model
-from dl4py.nn.serialization import model_bytes, restore_state
+from dl4py.parallel.coordinator import Coordinator, RanksEnded
 from dl4py.parallel.events import EventReplay
 from dl4py.parallel.preflight import check_batches_for_world
 from dl4py.parallel.processes import exit_description
@@ -53,25 +56,35 @@ class SparkTrainer:
       the ``spark.*.resource.gpu`` settings the cluster needs); else the ranks use the CPU;
     - ``staging_dir``: where a DataFrame is written for the ranks to read (default: a
       temporary folder on the driver; on a cluster, a folder every executor can read at
-      the same path).
+      the same path);
+    - ``options``: a ``ParallelOptions`` in place of the ParallelWrapper's keywords (a run
+      config's); ``devices`` has no place in it, as Spark gives each task its device.
+
+    The options are validated once, here: every task receives this object as it is.
     """
 
-    def __init__(self, model: Model, workers: int, *, spark=None, prefetch_buffer: int = 16,
+    def __init__(self, model: Model, workers: int | None = None, *, spark=None, prefetch_buffer: int = 16,
                  averaging_frequency: int | None = None, report_score_after_averaging: bool = False,
                  average_updaters: bool | None = None, training_mode: str = "averaging", use_gpu: bool = False,
-                 staging_dir=None, timeout: float = 300.0, tensor_parallel_size: int | None = None):
-        from dl4py.parallel import ParallelWrapper
-
-        self.options = dict(workers=workers, prefetch_buffer=prefetch_buffer, averaging_frequency=averaging_frequency,
-                            report_score_after_averaging=report_score_after_averaging,
-                            average_updaters=average_updaters, training_mode=training_mode, timeout=timeout,
-                            tensor_parallel_size=tensor_parallel_size)
-        if workers is None:
+                 staging_dir=None, timeout: float = 300.0, tensor_parallel_size: int | None = None,
+                 options: ParallelOptions | None = None):
+        keywords = dict(workers=workers, prefetch_buffer=prefetch_buffer, averaging_frequency=averaging_frequency,
+                        report_score_after_averaging=report_score_after_averaging,
+                        average_updaters=average_updaters, training_mode=training_mode, timeout=timeout,
+                        tensor_parallel_size=tensor_parallel_size)
+        if (workers if options is None else options.workers) is None:
             raise ConfigError("workers", "is required: how many Spark tasks train (each one rank)")
-        ParallelWrapper(model, **self.options)  # the same checks as every rank's wrapper, here and now
-        self.model, self.workers = model, workers
+        if not isinstance(model, Model):
+            raise TypeError(f"SparkTrainer needs a dl4py model (MultiLayerNetwork or TorchModel), "
+                            f"got {type(model).__name__}")
+        # Validated here, once: each task takes the object as it is.
+        self.options = given_options(options, keywords, "SparkTrainer")
+        if self.options.devices is not None:
+            raise ConfigError("devices", "applies to the ParallelWrapper, not to Spark tasks: Spark gives each task "
+                                         "its device (use_gpu)")
+        self.model, self.workers = model, self.options.workers
         self.spark, self.use_gpu, self.staging_dir = spark, bool(use_gpu), staging_dir
-        self.timeout = float(timeout)
+        self.timeout = self.options.timeout
 
     def fit(self, data, epochs: int = 1, listeners=(), *, validation=None, metrics=None, label=None, features=None,
             batch_size: int | None = None, shuffle_buffer: int | None = None, seed: int | None = None,
@@ -91,7 +104,6 @@ class SparkTrainer:
         check_slots(spark.sparkContext.master, self.workers)
         model = self.model
         model.init()
-        before = model_bytes(model)
         with rank_source(data, model, self.workers, label=label, features=features, batch_size=batch_size,
                          shuffle_buffer=shuffle_buffer, seed=seed, staging_dir=self.staging_dir) as source:
             check_batches_for_world(self.workers, source)  # each rank reads whole pieces of a table
@@ -100,25 +112,18 @@ class SparkTrainer:
             listeners = [*listeners, *console_listeners(verbose, model.epoch_count + epochs, batches_of(source),
                                                         listeners)]
             replay = EventReplay(model, listeners)
+            coordinator = Coordinator(model, replay)
             server = EventServer(spark.conf.get("spark.driver.host"), spark.conf.get("spark.driver.bindAddress", ""))
-            job = TaskJob(model=before, torch_model=torch_model, data=source, validation=validation,
-                          metrics=None if metrics is None else list(metrics), epochs=epochs, options=self.options,
-                          use_gpu=self.use_gpu, precision=model.precision.name, address=server.address,
-                          key=server.key, relay=replay.relays_epochs, relay_iterations=replay.relays_iterations,
-                          cpus=_task_cpus(spark), listener_parts=tuple(replay.worker_parts(self.workers)),
-                          accumulate_batches=model.accumulate_batches)
-            failed = True
             try:
-                replay.fit_start()
-                with quiet_failure_logs(spark):  # the fit names what failed, in one line
-                    result = self._run(spark, job, server, replay)
-                failed = False
+                job = TaskJob(model=coordinator.save(), torch_model=torch_model, data=source, validation=validation,
+                              metrics=None if metrics is None else list(metrics), epochs=epochs, options=self.options,
+                              use_gpu=self.use_gpu, precision=model.precision, address=server.address,
+                              key=server.key, relay=replay.relays_epochs, relay_iterations=replay.relays_iterations,
+                              cpus=_task_cpus(spark), listener_parts=tuple(replay.worker_parts(self.workers)),
+                              accumulate_batches=model.accumulate_batches)
+                result = coordinator.run(lambda: self._ranks(spark, job, server, replay))
             finally:
                 server.close(timeout=0)  # closed already, unless the fit failed here
-                if failed:  # as a spawned fit promises: the model as it was before this fit
-                    replay.abandon(before)
-        restore_state(model, result["model"])
-        replay.fit_end(False)
         return History(result["summaries"])
 
     def _session(self):
@@ -132,6 +137,11 @@ class SparkTrainer:
                                        "SparkSession.builder.master('local[4]').getOrCreate() "
                                        "(or dl4py.spark.spark_session)")
         return active
+
+    def _ranks(self, spark, job: TaskJob, server: EventServer, replay: EventReplay) -> RanksEnded:
+        with quiet_failure_logs(spark):  # the fit names what failed, in one line
+            result = self._run(spark, job, server, replay)
+        return RanksEnded(result, result["model"])
 
     def _run(self, spark, job: TaskJob, server: EventServer, replay: EventReplay) -> dict:
         """Run the Spark job, replaying rank 0's events meanwhile; the first rank to fail or

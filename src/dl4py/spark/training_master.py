@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from dl4py.config.parallel import ParallelOptions
 from dl4py.spark.data import is_spark_dataframe
 from dl4py.spark.trainer import SparkTrainer
 
@@ -33,10 +34,11 @@ class ParameterAveragingTrainingMaster:
     workers: int | None = None
     export_directory: str | None = None
 
-    def trainer_options(self) -> dict:
-        return dict(training_mode="averaging", averaging_frequency=self.averaging_frequency,
-                    average_updaters=self.save_updater, prefetch_buffer=self.worker_prefetch_num_batches,
-                    staging_dir=self.export_directory)
+    def parallel_options(self, workers: int) -> ParallelOptions:
+        """What this master asks of ``workers`` Spark tasks, validated (SparkTrainer's ``options``)."""
+        return ParallelOptions(workers=workers, training_mode="averaging", averaging_frequency=self.averaging_frequency,
+                               average_updaters=self.save_updater,
+                               prefetch_buffer=self.worker_prefetch_num_batches).validate()
 
 
 @dataclass(frozen=True)
@@ -49,9 +51,9 @@ class SharedTrainingMaster:
     workers: int | None = None
     export_directory: str | None = None
 
-    def trainer_options(self) -> dict:
-        return dict(training_mode="shared_gradients", prefetch_buffer=self.worker_prefetch_num_batches,
-                    staging_dir=self.export_directory)
+    def parallel_options(self, workers: int) -> ParallelOptions:
+        return ParallelOptions(workers=workers, training_mode="shared_gradients",
+                               prefetch_buffer=self.worker_prefetch_num_batches).validate()
 
 
 class SparkDl4jMultiLayer:
@@ -66,8 +68,9 @@ class SparkDl4jMultiLayer:
         self.network = network_model(network) if isinstance(network, (NetworkConfig, GraphConfig)) else network
         self.training_master = training_master
         workers = training_master.workers or spark.sparkContext.defaultParallelism
-        self.trainer = SparkTrainer(self.network, workers, spark=spark, use_gpu=use_gpu,
-                                    **training_master.trainer_options())
+        self.trainer = SparkTrainer(self.network, spark=spark, use_gpu=use_gpu,
+                                    staging_dir=training_master.export_directory,
+                                    options=training_master.parallel_options(workers))
 
     def fit(self, data, epochs: int = 1, *, label=None, features=None, listeners=(), validation=None):
         """Train on a DataFrame (``label``, ``features``), a table directory, or an iterator."""

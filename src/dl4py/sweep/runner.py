@@ -19,6 +19,7 @@ from typing import Any
 
 from dl4py.config.run import RunConfig
 from dl4py.errors import ConfigError, DL4PyError
+from dl4py.eval.select import is_regression_loss
 from dl4py.folders import FolderLock, claim_new_folder, path_inside
 from dl4py.io import atomic_write_json, atomic_write_text
 from dl4py.run_dir import CHECKPOINT, new_run_dir
@@ -129,8 +130,6 @@ def make_plan(config, grid, ranges, random, seed, overrides, metric=None) -> Pla
 def default_metric(config: RunConfig) -> str:
     """What a sweep ranks by unless told: the validation score when the config holds data
     out, else the test set's; R² for a network trained with a regression loss."""
-    from dl4py.eval.select import is_regression_loss
-
     layers = config.network.layers
     regression = bool(layers) and is_regression_loss(getattr(layers[-1], "loss", None))
     if config.data.validation is not None:

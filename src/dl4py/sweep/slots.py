@@ -14,6 +14,9 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import torch
+
+from dl4py.backend.cuda_environment import environment
 from dl4py.errors import ConfigError
 
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -76,8 +79,6 @@ def parse_devices(devices: str | Sequence[int] | None) -> list[int] | None:
         raise ConfigError("--devices", f"must be all, cpu, or GPU indices such as 0,1; got {devices!r}")
     if len(set(indices)) != len(indices):
         raise ConfigError("--devices", f"lists a device twice: {indices}")
-    import torch
-
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     missing = [d for d in indices if d >= count]
     if missing:
@@ -87,12 +88,8 @@ def parse_devices(devices: str | Sequence[int] | None) -> list[int] | None:
 
 
 def _all_gpus() -> list[int]:
-    import torch
-
     if not torch.cuda.is_available():
         return []
-    from dl4py.backend.cuda_environment import environment
-
     return environment().usable_cuda_devices()  # honours DL4PY_DEVICES and allow_multi_gpu
 
 

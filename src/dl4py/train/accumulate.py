@@ -32,7 +32,7 @@ def checked_batches(value, where: str) -> int:
 
 
 class AccumulatingStep:
-    """``step(features, labels)`` for ``batches`` > 1; made by ``train.step.make_train_step``.
+    """``step(features, labels)``, updating every ``batches``-th call; made by ``train.step.make_train_step``.
 
     ``backward(features, labels, weight)`` adds a batch's weighted gradient to the stepped
     parameters' ``.grad`` and returns its (unweighted) loss; ``update(took_part)`` applies
@@ -47,6 +47,7 @@ class AccumulatingStep:
         self.pending = 0  # rounds in the open window (0: the last one was applied)
         self._examples = 0
         self._first = 0  # the window's first batch size: the weights' denominator is batches * first
+        self._took_part = False  # a batch was given in the window (a hybrid rank's may have no rows)
 
     def __call__(self, features: torch.Tensor | None, labels: torch.Tensor | None) -> torch.Tensor | None:
         if self.pending == 0:
@@ -55,8 +56,11 @@ class AccumulatingStep:
         if features is not None:
             size = int(features.shape[0])
             self._first = self._first or size
-            loss = self._backward(features, labels, size / (self.batches * self._first))
+            # A window of one batch needs no weight: its gradient is the batch's own, untouched.
+            weight = size / (self.batches * self._first) if self.batches > 1 else None
+            loss = self._backward(features, labels, weight)
             self._examples += size
+            self._took_part = True
         self.pending += 1
         if self.pending == self.batches:
             self._apply()
@@ -72,6 +76,7 @@ class AccumulatingStep:
     def discard(self) -> None:
         """Forget the open window (a fit that failed part-way): the next batch starts a new one."""
         self.pending = self._examples = self._first = 0
+        self._took_part = False
 
     def _apply(self) -> None:
         expected, seen = self.batches * self._first, self._examples
@@ -82,8 +87,9 @@ class AccumulatingStep:
                 # DTensor gradients, which torch will not scale in one call with plain ones.
                 for kind in {type(g) for g in grads}:
                     torch._foreach_mul_([g for g in grads if type(g) is kind], expected / seen)
+        took_part = self._took_part
         self.discard()
-        self._update(seen > 0)
+        self._update(took_part)
 
 
 def finish(model) -> bool:

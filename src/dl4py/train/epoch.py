@@ -4,15 +4,16 @@
   the loss summed on the device, batches, examples, time) and its summary;
 - ``epoch_rng``: the epoch's randomness, seeded for each batch from (seed, epoch, batch,
   stream), so that a run resumed anywhere draws what the uninterrupted one did (``randomness.py``);
-- ``check_finite`` and ``finish_epoch``: the NaN verdict and the counters of a completed epoch.
-
-The loops around them differ only in where batches come from and when replicas meet.
+- ``check_finite`` and ``finish_epoch``: the NaN verdict and the counters of a completed epoch;
+- ``run_epoch``: the epoch loop itself, for one process and for every rank alike; a
+  ``Meeting`` says where batches come from and when replicas meet.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from typing import ContextManager, Iterable, Protocol
 
 import torch
 
@@ -20,7 +21,7 @@ from dl4py.errors import TrainingError
 from dl4py.train.history import current_learning_rate
 from dl4py.train.randomness import epoch_rng
 
-__all__ = ["EpochSummary", "EpochTally", "check_finite", "epoch_rng", "finish_epoch"]  # the loops' epoch parts
+__all__ = ["EpochSummary", "EpochTally", "Meeting", "Turn", "check_finite", "epoch_rng", "finish_epoch", "run_epoch"]
 
 
 @dataclass
@@ -33,6 +34,7 @@ class EpochSummary:
     completed: bool = True  # False when a stop was requested part-way through the epoch
     learning_rate: float | None = None  # of the epoch's last update
     validation: dict | None = None  # val_loss, val_<metric>: the held-out score after the epoch
+    skipped_steps: int | None = None  # updates the loss scaler skipped (overflow); None without one
 
     @property
     def samples_per_second(self) -> float:
@@ -45,7 +47,9 @@ class EpochSummary:
         """The epoch as History and ``metrics.jsonl`` show it (Keras' key names)."""
         return {"epoch": self.epoch, "loss": self.mean_loss, "seconds": self.seconds,
                 "samples_per_second": self.samples_per_second, "learning_rate": self.learning_rate,
-                "batches": self.batches, "examples": self.examples, **(self.validation or {})}
+                "batches": self.batches, "examples": self.examples,
+                **({} if self.skipped_steps is None else {"skipped_steps": self.skipped_steps}),
+                **(self.validation or {})}
 
 
 class EpochTally:
@@ -55,8 +59,10 @@ class EpochTally:
     def __init__(self, model, epoch: int):
         self.model, self.epoch = model, epoch
         self.batches = self.examples = 0
+        self.last_loss: torch.Tensor | None = None  # of the last batch trained here
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=model.backend.device)
         self.started = time.perf_counter()
+        self._skipped_before = model.precision_state.skipped_steps
 
     def train(self, features: torch.Tensor, labels: torch.Tensor, where: str) -> torch.Tensor:
         """One step on a batch already on the device (``prepare_batch``); the first batch's
@@ -64,28 +70,93 @@ class EpochTally:
         if self.batches == 0:
             self.model.check_features(features, where)
             self.model.check_labels(labels, where)
-        loss = self.model.train_step(features, labels)
+        loss = self.last_loss = self.model.train_step(features, labels)
         self.loss_sum += loss
         self.batches += 1
         self.examples += features.shape[0]
         return loss
 
+    @property
+    def skipped_steps(self) -> int | None:
+        """Updates the loss scaler skipped in this epoch here; None where nothing scales the loss."""
+        precision = self.model.precision_state
+        return precision.skipped_steps - self._skipped_before if precision.scales_loss else None
+
     def summary(self, completed: bool = True, batches: int | None = None, examples: int | None = None,
-                loss_sum: float | None = None) -> EpochSummary:
+                loss_sum: float | None = None, skipped_steps: int | None = None) -> EpochSummary:
         """The epoch as it ended here, or with the totals over all workers when given."""
+        skipped_steps = self.skipped_steps if skipped_steps is None else skipped_steps
         batches = self.batches if batches is None else batches
         examples = self.examples if examples is None else examples
         loss_sum = float(self.loss_sum) if loss_sum is None else loss_sum
         mean = loss_sum / batches if batches else float("nan")
         return EpochSummary(self.epoch, batches, examples, mean, time.perf_counter() - self.started,
-                            completed=completed, learning_rate=current_learning_rate(self.model))
+                            completed=completed, learning_rate=current_learning_rate(self.model),
+                            skipped_steps=skipped_steps)
+
+
+@dataclass
+class Turn:
+    """One step of an epoch as a meeting hands it to ``run_epoch``: this replica's batch
+    (None where it has none this round), and how the listeners count it."""
+
+    features: torch.Tensor | None
+    labels: torch.Tensor | None
+    where: str  # names the batch in a data error: "epoch 2, batch 7"
+    index: int = 0  # the batch's index in the epoch (one process) or the round's (ranks)
+    iteration: int = 0  # the model's minibatch count after this step, as the listeners see it
+    examples: int = 0  # the examples the step stands for (a parallel round: every worker's)
+
+
+class Meeting(Protocol):
+    """Where replicas meet in an epoch: one process alone (``train.loop.LocalMeeting``) or
+    ranks round by round (``parallel.round_meeting.RoundMeeting``). The meeting reads the
+    batches, decides when the epoch ends, and moves the model's position at its end."""
+
+    def begin(self, model, epoch: int) -> None:
+        """Before the epoch starts: where it resumes, and whether it can."""
+
+    def turns(self, model, epoch: int) -> ContextManager[Iterable[Turn]]:
+        """The epoch's steps, read with the epoch's randomness around them."""
+
+    def trained(self, model, turn: Turn) -> None:
+        """This replica trained ``turn``'s batch."""
+
+    def sit_out(self, model, turn: Turn) -> None:
+        """A step without a batch of this replica (the others trained one)."""
+
+    def ends_after(self, model, turn: Turn, tally: "EpochTally") -> bool:
+        """True when the epoch stops after ``turn`` (a stop asked for, a vote, a condition)."""
+
+    def close(self, model, tally: "EpochTally") -> "EpochSummary | None":
+        """The epoch's summary after its last step; None when it was interrupted."""
+
+
+def run_epoch(model, meeting: Meeting, listeners) -> "EpochSummary | None":
+    """One epoch (or the rest of one, after a resume) of ``model``, whoever trains it: the
+    single-device fit and every rank of a parallel fit run this loop; ``meeting`` is what
+    differs. ``listeners``: a ``Listeners``. None when interrupted."""
+    epoch = model.epoch_count
+    meeting.begin(model, epoch)
+    listeners.on_epoch_start(model, epoch)
+    tally = EpochTally(model, epoch)
+    with meeting.turns(model, epoch) as turns:
+        for turn in turns:
+            if turn.features is None:
+                meeting.sit_out(model, turn)
+            else:
+                loss = tally.train(turn.features, turn.labels, turn.where)
+                meeting.trained(model, turn)
+                listeners.iteration_done(model, turn.iteration, epoch, loss, turn.examples)
+            if meeting.ends_after(model, turn, tally):
+                break
+    return meeting.close(model, tally)
 
 
 def finish_epoch(model, loss_sum: torch.Tensor, epoch: int) -> None:
     """A completed epoch: the loss must be finite, and the counters move to the next epoch."""
     check_finite(model, loss_sum, epoch)
-    model.epoch_count += 1
-    model.batch_in_epoch = 0
+    model.training_state.end_epoch()
 
 
 def check_finite(model, loss_sum: torch.Tensor, epoch: int) -> None:

@@ -51,7 +51,7 @@ def gradient_normalizer(model) -> GradientNormalizer | None:
     config = getattr(model, "config", None)
     if not isinstance(config, (NetworkConfig, GraphConfig)):  # a graph's module yields its layers in order
         return None
-    module = model.module if model.master is None else model.master.master_module
+    module = model.stepped_module
     layers = []
     for layer, layer_module in zip(config.layers, module):
         mode, threshold = layer_setting(config, layer)

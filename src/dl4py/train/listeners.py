@@ -27,6 +27,30 @@ class TrainingListener:
     def on_fit_end(self, model, interrupted: bool) -> None: ...
 
 
+class Listeners(list):
+    """The fit's listeners as one: each event goes to every listener, in order."""
+
+    def on_fit_start(self, model) -> None:
+        for listener in self:
+            listener.on_fit_start(model)
+
+    def on_epoch_start(self, model, epoch: int) -> None:
+        for listener in self:
+            listener.on_epoch_start(model, epoch)
+
+    def iteration_done(self, model, iteration: int, epoch: int, loss, batch_size: int) -> None:
+        for listener in self:
+            listener.iteration_done(model, iteration, epoch, loss, batch_size)
+
+    def on_epoch_end(self, model, summary) -> None:
+        for listener in self:  # in order: one may add to the summary that the next reads (EpochValidation)
+            listener.on_epoch_end(model, summary)
+
+    def on_fit_end(self, model, interrupted: bool) -> None:
+        for listener in self:
+            listener.on_fit_end(model, interrupted)
+
+
 class _Count:
     """Where a listener's count of iterations stood at its last call."""
 

@@ -89,6 +89,8 @@ class ProgressBar(TrainingListener):
     def on_epoch_end(self, model, summary):
         if summary.validation:
             self._validation = dict(summary.validation)
+        if summary.skipped_steps:
+            self._validation["skipped"] = summary.skipped_steps
         if self._bar is not None:
             self._loss = summary.mean_loss
             self._draw(summary.samples_per_second)
@@ -138,6 +140,8 @@ class EpochLines(TrainingListener):
         scores = {"loss": summary.mean_loss, **(summary.validation or {})}
         parts = [f"{name} {value:.4f}" for name, value in scores.items() if isinstance(value, (int, float))]
         parts += [f"{summary.seconds:.1f} s", f"{summary.samples_per_second:.0f} samples/s"]
+        if summary.skipped_steps:  # the loss scaler's: a run that skips must not look healthy
+            parts.append(f"{summary.skipped_steps} updates skipped (fp16 overflow)")
         stream.write(f"{_epoch_name(summary.epoch, self.total_epochs)}: {', '.join(parts)}\n")
         stream.flush()
 

@@ -19,8 +19,6 @@ import torch
 from dl4py.train.accumulate import AccumulatingStep
 from dl4py.train.gradient_normalization import gradient_normalizer
 
-_LOW = (torch.float16, torch.bfloat16)
-
 # (compile, cuda_graphs) -> torch.compile mode. CUDA graphs come from Inductor's
 # cudagraph trees, which its "reduce-overhead" and "max-autotune" modes switch on.
 _COMPILE_MODES = {
@@ -60,98 +58,51 @@ def forward_function(model):
 def make_train_step(model, gradient_hook=None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Return ``step(features, labels) -> loss`` (detached) for an initialised model.
 
-    ``gradient_hook(took_part)`` runs between backward and the update (the parallel
-    trainer shares gradients there). With a hook, ``step(None, None)`` is a step without
-    a batch: this worker contributes nothing but applies the shared update, so replicas
-    stay identical when the last round has fewer batches than workers. With
-    ``model.accumulate_batches`` = k > 1 the step is an ``AccumulatingStep``: it updates
-    on every k-th call, and ``flush()`` applies a window cut short.
+    ``gradient_hook(took_part)`` runs between backward and the update (the parallel trainer
+    shares gradients there); ``step(None, None)`` is then a step without a batch of this
+    worker's, which applies the shared update. The step is an ``AccumulatingStep``: it
+    updates on every ``model.accumulate_batches``-th call (every call by default).
     """
-    module, optimizer, loss_fn = forward_function(model), model.optimizer, model.loss
-    precision, device = model.precision, model.backend.device
-    master, scaler = model.master, model.scaler
+    module, optimizer, loss_fn, precision = forward_function(model), model.optimizer, model.loss, model.precision_state
     scheduled = model.learning_rate_at(0, 0) is not None
     normalizer = gradient_normalizer(model)
-    batches = getattr(model, "accumulate_batches", 1)  # absent from models pickled before it existed
-    plain = master is None and scaler is None and precision.autocast_dtype is None and normalizer is None
-
-    if plain and not scheduled and gradient_hook is None and batches == 1:
-
-        def step(features, labels):
-            optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(module(features), labels)
-            loss.backward()
-            optimizer.step()
-            model.update_count += 1
-            return loss.detach()
-
-        return step
+    if precision.plain and normalizer is None and not scheduled and gradient_hook is None \
+            and model.accumulate_batches == 1:
+        return _plain_step(model, module, optimizer, loss_fn)
 
     def backward(features, labels, weight=None):
-        """Forward and backward of one batch; its gradient (times ``weight``, a share of an
-        accumulation window) is added to the stepped parameters' ``.grad``."""
-        with precision.forward_context(device):
+        with precision.forward_context():
             outputs = module(features)
-        if outputs.dtype in _LOW:  # the loss and its reduction in float32
-            outputs = outputs.float()
-        loss = loss_fn(outputs, labels)
-        weighted = loss if weight is None else loss * weight
-        (weighted if scaler is None else scaler.scale(weighted)).backward()
-        if master is not None:
-            master.grads_to_master()
+        loss = loss_fn(precision.for_loss(outputs), labels)  # outside autocast, as the policy's own
+        precision.backward(loss if weight is None else loss * weight)
         return loss.detach()
 
     def update(took_part):
-        """The update from the gradients held: shared, unscaled, normalized, stepped."""
         if gradient_hook is not None:
             gradient_hook(took_part)  # shared first: the norms are those of the averaged gradient
         if normalizer is not None:
-            if scaler is not None:  # thresholds are for true gradients; step() then skips its own unscale
-                scaler.unscale_(optimizer)
+            precision.unscale(optimizer)  # thresholds are for true gradients
             normalizer.normalize()
-        if scheduled:
-            lr = model.learning_rate_at(model.update_count, model.epoch_count)
+        if scheduled:  # from the updates applied: a skipped one does not advance the schedule
             for group in optimizer.param_groups:
-                group["lr"] = lr
-        if scaler is None:
-            optimizer.step()
-            _applied(model, master)
-        else:
-            # GradScaler skips the update when a gradient overflowed and then lowers
-            # its scale; a lower scale afterwards is how we know the step was skipped.
-            # Compared on the device: get_scale() would wait for the GPU, twice a step.
-            scale_before = scaler._get_scale_async().clone()
-            scaler.step(optimizer)
-            scaler.update()
-            applied = scaler._get_scale_async() >= scale_before
-            if scheduled:  # the next step's learning rate needs the count now: one wait
-                if bool(applied):
-                    _applied(model, master)
-            else:
-                if master is not None:  # a skipped step left the masters as they were: a no-op copy
-                    master.master_to_module()
-                model.count_updates_later(applied)
+                group["lr"] = model.learning_rate_at(model.update_count, model.epoch_count)
+        if precision.step(optimizer):
+            model.training_state.count_update()
 
-    def clear():
+    return AccumulatingStep(model.accumulate_batches, backward, update, lambda: optimizer.zero_grad(set_to_none=True),
+                            lambda: [p.grad for group in optimizer.param_groups for p in group["params"]])
+
+
+def _plain_step(model, module, optimizer, loss_fn):
+    """The common case, with no call it does not need: no precision extras, no hook, no
+    schedule, no accumulation."""
+
+    def step(features, labels):
         optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(module(features), labels)
+        loss.backward()
+        optimizer.step()
+        model.training_state.count_update()
+        return loss.detach()
 
-    if batches > 1:
-        def gradients():
-            return [p.grad for group in optimizer.param_groups for p in group["params"]]
-
-        return AccumulatingStep(batches, backward, update, clear, gradients)
-
-    def full_step(features, labels):
-        clear()
-        took_part = features is not None
-        loss = backward(features, labels) if took_part else None
-        update(took_part)
-        return loss
-
-    return full_step
-
-
-def _applied(model, master) -> None:
-    if master is not None:
-        master.master_to_module()
-    model.update_count += 1
+    return step

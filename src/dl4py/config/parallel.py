@@ -1,15 +1,20 @@
-"""The ParallelWrapper's options, as one frozen object checked by one ``validate``.
+"""The parallel trainers' options, as one frozen object checked by one ``validate``.
 
-The wrapper, the ``training`` section of a run config and the workers all read the same
-``ParallelOptions``; an error names the option (``training.averaging_frequency: ...`` in a
-config) the same way wherever it was given.
+The ``training`` section of a run config, the ParallelWrapper, the SparkTrainer and every
+rank read the same ``ParallelOptions``; an error names the option
+(``training.averaging_frequency: ...`` in a config) the same way wherever it was given. The
+object is validated once, where it is made, and travels as it is (it pickles): to the
+workers, to each Spark task.
 
-    ParallelOptions(workers=2, averaging_frequency=3).validate()
+    options = ParallelOptions(workers=2, averaging_frequency=3).validate()
+    ParallelWrapper(model, options=options)
+
+Config floor: nothing here imports ``parallel/``, ``nn/`` or ``train/``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -43,6 +48,9 @@ class ParallelOptions:
     - ``tensor_parallel_size``: ranks each dense pair is split over (``"tensor"``, ``"hybrid"``;
       it divides ``workers``): the workers form ``workers / size`` data-parallel groups of
       that many (a 2-D device mesh). Default: all workers, one group.
+
+    ``validated`` is true for what ``validate`` returned (and its pickled copies); an object
+    made or ``replace``d since is not, and a trainer given one validates it first.
     """
 
     workers: int | None = None
@@ -54,10 +62,12 @@ class ParallelOptions:
     devices: tuple[str, ...] | None = None
     timeout: float = 300.0
     tensor_parallel_size: int | None = None
+    # Not an option: set by validate alone. replace() makes a copy with it False.
+    validated: bool = field(default=False, init=False, repr=False, compare=False)
 
     @classmethod
     def names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
+        return [f.name for f in fields(cls) if f.init]
 
     def validate(self, where: str = "") -> "ParallelOptions":
         """Raise a ConfigError naming the first option that is wrong (under ``where``, a
@@ -104,7 +114,9 @@ class ParallelOptions:
             devices = tuple(device_name(d, key(f"devices[{i}]")) for i, d in enumerate(devices))
             if not devices:
                 raise ConfigError(key("devices"), "must name at least one device")
-        return replace(self, devices=devices, timeout=float(self.timeout))
+        checked = replace(self, devices=devices, timeout=float(self.timeout))
+        object.__setattr__(checked, "validated", True)  # frozen: only validate sets it
+        return checked
 
     @property
     def rounds_per_average(self) -> int:
@@ -128,6 +140,22 @@ class ParallelOptions:
             raise ConfigError(where, f"is {size}, which does not divide the {world} workers into tensor-parallel "
                                      "groups: use a divisor of the number of workers")
         return (world // size, size)
+
+
+def given_options(options: ParallelOptions | None, keywords: dict, owner: str) -> ParallelOptions:
+    """The options a trainer (``owner``) was given, validated once: ``options`` as it is
+    when already validated (a run config's, the driver's in a Spark task), else the keyword
+    arguments. A keyword changed from its default beside ``options`` is an error: which of the
+    two would win is not for the trainer to guess."""
+    if options is None:
+        return ParallelOptions(**keywords).validate()
+    if not isinstance(options, ParallelOptions):
+        raise TypeError(f"{owner}: options must be a ParallelOptions, got {type(options).__name__}")
+    defaults = ParallelOptions()
+    for name, value in keywords.items():
+        if value != getattr(defaults, name):
+            raise ConfigError(name, f"is given to {owner} twice, as a keyword and in options: give it in one")
+    return options if options.validated else options.validate()
 
 
 def device_name(device, where: str) -> str:

@@ -1,4 +1,5 @@
-"""The data a run config names: training, validation and test iterators.
+"""The data a run config names: training, validation and test iterators (beside the runner,
+which is its one user: it reads the run config and the train floor's validation split).
 
 ``make_iterators`` builds the training and test iterators of the ``data`` section (MNIST,
 a CSV file, an image folder per class); ``make_validation`` holds data out as
@@ -11,13 +12,15 @@ from __future__ import annotations
 import contextlib
 
 from dl4py.config.run import DataConfig
+from dl4py.data.csv import CsvDataSetIterator
+from dl4py.data.images import ImageFolderIterator
+from dl4py.data.mnist import MnistDataSetIterator
 from dl4py.errors import ConfigError, DataSizeError
+from dl4py.train.validation import split_validation
 
 
 def make_iterators(data: DataConfig, batch_size: int, input_shape: tuple[int, ...]):
     """Training and test iterators for the data section (test is None when there is none)."""
-    from dl4py.data import CsvDataSetIterator, MnistDataSetIterator
-
     if data.dataset == "mnist":
         train = MnistDataSetIterator(
             batch_size, train=True, seed=data.seed, shuffle=data.shuffle, limit=data.limit_train
@@ -48,8 +51,6 @@ def make_iterators(data: DataConfig, batch_size: int, input_shape: tuple[int, ..
 def _image_folders(data: DataConfig, batch_size: int, input_shape: tuple[int, ...]):
     """ImageFolderIterators for ``data.train_path`` (augmented as asked) and ``data.test_path``
     (never augmented, classes numbered as the training set's); sizes default to the network's."""
-    from dl4py.data.images import ImageFolderIterator
-
     sizes = {"channels": data.channels, "height": data.height, "width": data.width}
     if len(input_shape) == 3:  # convolutional: (channels, height, width)
         sizes = {k: v if v is not None else d for (k, v), d in zip(sizes.items(), input_shape)}
@@ -74,17 +75,11 @@ def make_validation(data: DataConfig, train, batch_size: int):
     if section is None:
         return train, None
     if section.split is not None:
-        from dl4py.train.validation import split_validation
-
         return split_validation(train, section.split, seed=data.seed)
     if data.dataset == "image_folder":
-        from dl4py.data.images import ImageFolderIterator
-
         return train, ImageFolderIterator(section.path, batch_size=batch_size, seed=data.seed, shuffle=False,
                                           labels=train.labels, channels=train.channels, height=train.height,
                                           width=train.width)
-    from dl4py.data import CsvDataSetIterator
-
     return train, CsvDataSetIterator(section.path, batch_size, label_index=data.label_index,
                                      num_classes=data.num_classes, skip_lines=data.skip_lines, shuffle=False)
 
