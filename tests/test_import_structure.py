@@ -34,12 +34,8 @@ NOT_YET_HOISTED = {
     "config/graph.py", "config/network.py", "config/run.py",
     "nn/graph_transfer.py", "nn/loading.py", "nn/model.py", "nn/model_file.py", "nn/optimizers.py",
     "nn/transfer.py",
-    "parallel/preflight.py", "parallel/rank.py", "parallel/sharding.py", "parallel/tensor_parallel.py",
-    "parallel/tensor_replica.py", "parallel/worker.py", "parallel/wrapper.py",
     "spark/data.py", "spark/session.py", "spark/task.py", "spark/trainer.py", "spark/training_master.py",
-    "train/early_stopping/calculators.py", "train/early_stopping/configuration.py",
-    "train/early_stopping/savers.py", "train/early_stopping/trainer.py", "train/gradient_normalization.py",
-    "train/listeners.py", "train/loop.py", "train/progress.py", "train/step.py", "train/validation.py",
+    "train/early_stopping/savers.py", "train/early_stopping/trainer.py",
 }
 
 

@@ -375,12 +375,13 @@ def test_free_gpu_memory_still_owes_the_unpaid_part_of_the_cuda_context(monkeypa
 
 
 def test_under_a_cache_cap_the_context_takes_only_what_free_memory_cannot_hold(monkeypatch):
-    from dl4py.memory import capacity, device_memory
+    from dl4py.backend import device_memory as query
+    from dl4py.memory import device_memory
     from dl4py.memory.estimate import CUDA_CONTEXT_BYTES
 
     free = _fake_gpu(monkeypatch, total=8 * 2**30, reserved=0, outside=0)
     for cap in (free - 100 * MiB, free - 2**30):  # max_device_cache leaves 100 MiB, or 1 GiB, above it
-        monkeypatch.setattr(capacity, "_within_cache_limit", lambda free, total, index, cap=cap: cap)
+        monkeypatch.setattr(query, "_within_cache_limit", lambda free, total, index, cap=cap: cap)
         memory = device_memory("cuda:0")
         # The allocator may use the cap, or what free memory leaves beside the context, whichever is less.
         assert memory.bytes - memory.context_included == min(cap, free - CUDA_CONTEXT_BYTES)

@@ -15,6 +15,7 @@ from typing import Iterator
 
 import torch
 
+from dl4py.backend.device_memory import device_memory
 from dl4py.data.dataset import DataSet
 from dl4py.data.iterators import ArrayDataSetIterator, WrappedIterator
 from dl4py.errors import DataError
@@ -48,8 +49,6 @@ def dataset_fits(nbytes: int, device, free_bytes: int | None = None, step_bytes:
 
 
 def _free_bytes(device: torch.device) -> int:
-    # memory.capacity -> memory.estimate -> nn.model -> dl4py.data, whose __init__ imports this module
-    from dl4py.memory.capacity import device_memory  # cycle: dl4py.data imports this module
 
     return device_memory(device).bytes  # free CUDA memory, within any max_device_cache
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dl4py.backend.device_memory import CUDA_CONTEXT_BYTES
 from dl4py.backend.precision import resolve_precision
 from dl4py.config.graph import GraphConfig
 from dl4py.config.network import NetworkConfig
@@ -30,9 +31,6 @@ from dl4py.memory.updater_memory import optimizer_implementation
 from dl4py.nn.convolution import upcasts_on_cpu
 
 MiB = 2**20
-# Outside PyTorch's allocator, so torch.cuda.memory_allocated never shows it: the CUDA
-# context with cuDNN and cuBLAS loaded lazily (CUDA 12) is typically 300-600 MiB.
-CUDA_CONTEXT_BYTES = 512 * MiB
 # PyTorch's CUDA caching allocator rounds each request up to a multiple of 512 bytes, and
 # memory_allocated counts whole blocks. For requests up to 1 MiB (the small pool, whose
 # blocks are always split) that is exact, and it is the rule the estimate follows. A larger

@@ -18,6 +18,7 @@ from dl4py.backend import Backend, Precision, resolve_backend, resolve_precision
 from dl4py.data.dataset import DataSet
 from dl4py.errors import BackendError, ConfigError, DataError
 from dl4py.nn.memory_format import to_channels_last, use_channels_last
+from dl4py.nn.predict import predictions, probabilities
 from dl4py.nn.signature import Signature
 from dl4py.nn.training_state import TrainingState
 
@@ -352,16 +353,12 @@ class Model:
         classifier's class index per example (the highest output; a one-column output at 0.5),
         a regressor's output values (regression loss: mse, l1, ...). The model's normalizer
         applies. ``batch_size``: examples per forward pass (default 4096, or the data's own batches)."""
-        from dl4py.inference.predict import predict
-
-        return predict(self, data, batch_size, label)
+        return predictions(self, data, batch_size, label)
 
     def predict_proba(self, data, batch_size: int | None = None, *, label=None) -> np.ndarray:
         """``output(data)`` as numpy: the output layer's activations (class probabilities
         for a softmax output)."""
-        from dl4py.inference.predict import predict_proba
-
-        return predict_proba(self, data, batch_size, label)
+        return probabilities(self, data, batch_size, label)
 
     def evaluate(self, data, *, batch_size: int | None = None, label=None, features=None) -> "Evaluation":
         """Statistics over every batch of ``data``: a ``RegressionEvaluation`` when the output's

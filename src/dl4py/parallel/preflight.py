@@ -10,6 +10,7 @@ import pickle
 
 import torch
 
+from dl4py.data import ArrayDataSetIterator
 from dl4py.errors import ConfigError
 from dl4py.parallel.sources import ShardedSource, StreamShardSource, batches_per_epoch, is_shardable
 
@@ -46,7 +47,6 @@ def check_picklable(spec) -> None:
 
 def own_source(iterator):
     """Where workers read their batches themselves (None: the coordinator deals them)."""
-    from dl4py.data import ArrayDataSetIterator
 
     if isinstance(iterator, ArrayDataSetIterator):
         return ShardedSource(iterator)

@@ -11,17 +11,21 @@ and reports, as a ``RankReport``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 
 from dl4py.backend.cuda_environment import Environment
+from dl4py.config.parallel import DISTRIBUTED_MODES
 from dl4py.nn.serialization import model_bytes
 from dl4py.parallel.averaging import broadcast, replica_state, share_gradients, stepped_parameters
-from dl4py.config.parallel import DISTRIBUTED_MODES
 from dl4py.parallel.phase import PHASE
+from dl4py.parallel.preflight import private_copy
 from dl4py.parallel.round_meeting import RoundMeeting
+from dl4py.parallel.sharding import shard_replica
+from dl4py.parallel.tensor_parallel import apply_tensor_parallel
+from dl4py.parallel.tensor_replica import TensorParallelReplica
 from dl4py.parallel.worker import WorkerSpec, build_replica, worker_device
 from dl4py.train.epoch import EpochSummary, run_epoch
 from dl4py.train.listeners import Listeners
@@ -151,18 +155,13 @@ def _distributed_copy(replica, spec: WorkerSpec, device, keep_twin: bool):
     (returns its layout), made from the model file of the state all ranks now share; and,
     with ``keep_twin``, a plain copy on the host, which each gather fills: the whole model
     and its updater state, which the device must not hold beside its shards."""
-    from dataclasses import replace
-
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from dl4py.nn.serialization import model_bytes as state_of
-    from dl4py.parallel.preflight import private_copy
+    from torch.distributed.device_mesh import init_device_mesh  # lazy: only distributed plans load it
 
     mode = spec.options.training_mode
     torch_model = spec.torch_model
     if torch_model is not None and not isinstance(torch_model, bytes):
         torch_model = private_copy(torch_model)  # under torchrun: never convert the program's own model
-    private = replace(spec, model_file=state_of(replica), torch_model=torch_model)
+    private = replace(spec, model_file=model_bytes(replica), torch_model=torch_model)
     working = build_replica(private, device)
     working.set_accumulate_batches(spec.accumulate_batches)  # the model file does not carry it either
     working.module.train()
@@ -171,11 +170,8 @@ def _distributed_copy(replica, spec: WorkerSpec, device, keep_twin: bool):
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=("data", "tensor") if len(shape) == 2 else None)
     twin = build_replica(private, torch.device("cpu")) if keep_twin else None
     if mode == "sharded":
-        from dl4py.parallel.sharding import shard_replica
 
         return shard_replica(working, mesh, twin=twin)
-    from dl4py.parallel.tensor_parallel import apply_tensor_parallel
-    from dl4py.parallel.tensor_replica import TensorParallelReplica
 
     plan = apply_tensor_parallel(working, mesh, hybrid=mode == "hybrid")
     working.share_gradients(plan.gradient_hook)

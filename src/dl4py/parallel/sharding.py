@@ -196,7 +196,7 @@ class ShardedReplica:
         """Collect the full parameters, buffers and updater state into the twin (rank 0's;
         the others' is None). A collective: every rank calls it. Returns the twin, its
         counters those of the replica."""
-        from torch.distributed.checkpoint.state_dict import (
+        from torch.distributed.checkpoint.state_dict import (  # lazy: only distributed plans load it
             StateDictOptions,
             get_model_state_dict,
             get_optimizer_state_dict,
@@ -283,8 +283,8 @@ def shard_replica(replica, mesh, twin=None) -> ShardedReplica:
     """Shard an initialised plain model in place: its (master) module split into units and
     handed to ``fully_shard``, its updater rebuilt over the shards with the state it had.
     ``twin``: the plain model ``gather`` fills (None on ranks that need none)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict  # lazy: only distributed plans load it
+    from torch.distributed.fsdp import fully_shard  # lazy: only distributed plans load it
 
     stepped = stepped_module(replica)
     names = {id(p): n for n, p in stepped.named_parameters()}

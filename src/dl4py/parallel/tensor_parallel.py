@@ -68,7 +68,7 @@ def tensor_parallel_plan(module: nn.Sequential) -> dict:
     """``{"3.op": ColwiseParallel(), "4.op": RowwiseParallel(), ...}`` for a MultiLayerNetwork's
     module: consecutive hidden dense layers (an ``nn.Linear`` op, not the last layer) in
     column/row pairs. Empty when the network has fewer than two hidden dense layers in a row."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel  # lazy: only distributed plans load it
 
     plan, waiting = {}, None  # waiting: a dense layer still looking for its partner
     last = len(module) - 1
@@ -152,8 +152,8 @@ def apply_tensor_parallel(replica, mesh, hybrid: bool = False) -> TensorParallel
         plan = apply_tensor_parallel(replica, mesh, hybrid=True)
         replica.share_gradients(plan.gradient_hook)
     """
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.distributed.tensor import DTensor  # lazy: only distributed plans load it
+    from torch.distributed.tensor.parallel import parallelize_module  # lazy: only distributed plans load it
 
     if mesh.ndim == 1:
         tensor_mesh, data_group = mesh, None
@@ -293,7 +293,7 @@ def average_gradients(params: list[torch.Tensor], group, took_part: bool) -> Non
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (the tensor itself outside autograd: writes reach the DTensor)."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # lazy: only distributed plans load it
 
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 

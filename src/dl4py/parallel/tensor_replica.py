@@ -9,6 +9,8 @@ fills rank 0's plain twin with the whole state (what is saved, scored and shown 
 
 from __future__ import annotations
 
+from dl4py.parallel.distributed_state import full_state, load_full_state
+
 
 class TensorParallelReplica:
     def __init__(self, replica, plan, twin=None):
@@ -35,7 +37,6 @@ class TensorParallelReplica:
     def gather(self):
         """The whole parameters and updater state into the twin (collective: every rank calls
         it; the ranks without a twin only take part). Returns the twin."""
-        from dl4py.parallel.distributed_state import full_state, load_full_state
 
         moment = self.replica.training_state.moment
         if moment != self._gathered_at:  # the same on every rank: all skip, or none

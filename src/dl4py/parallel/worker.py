@@ -16,6 +16,8 @@ import torch
 
 from dl4py.backend import Backend, Precision
 from dl4py.config.parallel import ParallelOptions
+from dl4py.nn.loading import load
+from dl4py.nn.serialization import restore_state
 
 
 @dataclass
@@ -51,8 +53,6 @@ def worker_device(spec: WorkerSpec, rank: int) -> torch.device:
 
 
 def build_replica(spec: WorkerSpec, device: torch.device):
-    from dl4py.nn.loading import load
-    from dl4py.nn.serialization import restore_state
 
     backend = Backend("gpu" if device.type == "cuda" else "cpu", device, "parallel worker")
     if spec.torch_model is None:

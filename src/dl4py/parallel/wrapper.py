@@ -44,6 +44,7 @@ from dl4py.backend.cuda_environment import environment
 from dl4py.config.parallel import ParallelOptions, check_mode_fits_model, given_options
 from dl4py.errors import ConfigError, DataError
 from dl4py.nn.model import Model, as_iterator
+from dl4py.nn.torch_model import TorchModel
 from dl4py.parallel.coordinator import Coordinator, RanksEnded
 from dl4py.parallel.dl4j_options import note_dl4j_options
 from dl4py.parallel.events import EventReplay
@@ -228,7 +229,6 @@ class ParallelWrapper:
         return ["cpu"]
 
     def _spec(self, iterator, epochs, devices, world, record) -> WorkerSpec:
-        from dl4py.nn.torch_model import TorchModel
 
         cpu_workers = sum(1 for rank in range(world) if devices[rank % len(devices)] == "cpu")
         check_mode_fits_model(self.options.training_mode, self.model)

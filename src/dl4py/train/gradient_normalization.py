@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import torch
 
+from dl4py.config.graph import GraphConfig
+from dl4py.config.network import NetworkConfig
+
 # DL4J replaces a zero norm by this before dividing (0/0 would be NaN).
 _ZERO_NORM = 1e-5
 
@@ -45,9 +48,6 @@ def gradient_normalizer(model) -> GradientNormalizer | None:
     updates (float32 masters under 16-bit precisions), in the module's ``<layer index>.``
     naming. Other models (TorchModel) have no per-layer config and are not normalized.
     """
-    from dl4py.config.graph import GraphConfig
-    from dl4py.config.network import NetworkConfig
-
     config = getattr(model, "config", None)
     if not isinstance(config, (NetworkConfig, GraphConfig)):  # a graph's module yields its layers in order
         return None

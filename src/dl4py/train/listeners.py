@@ -136,7 +136,7 @@ class MetricsLogger(TrainingListener):
     writes through too (with per-layer statistics)."""
 
     def __init__(self, path, every: int = 100):
-        from dl4py.monitor.storage import FileStatsStorage  # not at import: monitor imports this module
+        from dl4py.monitor.storage import FileStatsStorage  # cycle: dl4py.monitor.storage imports this module
 
         self.path = Path(path)
         self.every = every

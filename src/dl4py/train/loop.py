@@ -10,7 +10,10 @@ device; listeners read them only when they report.
 
 from __future__ import annotations
 
-from dl4py.data.iterators import WrappedIterator
+from dl4py.backend.cuda_environment import environment
+from dl4py.data.device import DeviceDataSetIterator, use_device_data
+from dl4py.data.iterators import ArrayDataSetIterator, WrappedIterator
+from dl4py.data.prefetch import PrefetchIterator
 from dl4py.errors import DL4PyError
 from dl4py.train import accumulate
 from dl4py.train.epoch import EpochSummary, check_finite, epoch_rng, run_epoch
@@ -80,11 +83,6 @@ def fit(model, iterator, epochs: int, listeners: list, validation=None, metrics=
 def data_source(model, iterator):
     """What the loop reads: the data set held on the device (environment setting
     ``device_data``), batches copied to a GPU ahead of use, or the iterator as it is (CPU)."""
-    from dl4py.backend.cuda_environment import environment
-    from dl4py.data.device import DeviceDataSetIterator, use_device_data
-    from dl4py.data.iterators import ArrayDataSetIterator
-    from dl4py.data.prefetch import PrefetchIterator
-
     env, device = environment(), model.backend.device
     if isinstance(iterator, DeviceDataSetIterator):
         return iterator
@@ -126,7 +124,7 @@ def _step_bytes(model, iterator) -> int | None:
     config, batch = getattr(model, "config", None), getattr(iterator, "batch_size", None)
     if model.backend.device.type != "cuda" or config is None or not isinstance(batch, int):
         return None
-    from dl4py.memory import estimate
+    from dl4py.memory import estimate  # cycle: dl4py.memory imports this module (through nn and parallel)
 
     report = estimate(config, batch, model.precision.name, device="cuda")
     return report.peak_bytes - report.parameter_bytes

@@ -195,7 +195,7 @@ def _interactive() -> bool:
 
 def _has_tqdm() -> bool:
     try:
-        import tqdm  # noqa: F401
+        import tqdm  # noqa: F401  # optional: tqdm (extra progress)
     except ImportError:
         return False
     return True
@@ -206,9 +206,9 @@ def _tqdm_class(stream):
     drawing on a given stream."""
     try:
         if stream is not None:
-            from tqdm.std import tqdm
+            from tqdm.std import tqdm  # optional: tqdm (extra progress)
         else:
-            from tqdm.auto import tqdm
+            from tqdm.auto import tqdm  # optional: tqdm (extra progress)
     except ImportError:
         raise MissingDependencyError("The progress bar (verbose=1)", "tqdm", "progress") from None
     return tqdm

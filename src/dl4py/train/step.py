@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from dl4py.backend.cuda_environment import environment
+from dl4py.errors import BackendError
 from dl4py.train.accumulate import AccumulatingStep
 from dl4py.train.gradient_normalization import gradient_normalizer
 
@@ -37,9 +39,6 @@ _compiled: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def forward_function(model):
     """The module, or its torch.compile'd form when the environment asks for kernel fusion
     (``compile``) or CUDA graphs (``cuda_graphs``)."""
-    from dl4py.backend.cuda_environment import environment
-    from dl4py.errors import BackendError
-
     env = environment()
     key = (env.compile, bool(env.cuda_graphs))
     if key == ("off", False):

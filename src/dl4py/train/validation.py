@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from dl4py.data import ArrayDataSetIterator
 from dl4py.errors import ConfigError, DataError
 from dl4py.train.listeners import TrainingListener
 
@@ -40,8 +41,6 @@ def split_validation(iterator, fraction: float, seed: int | None = None):
     generator = torch.Generator().manual_seed(int(seed) + SPLIT_SEED_OFFSET)
     order = torch.randperm(n, generator=generator)
     held_out, kept = order[:held].sort().values, order[held:].sort().values
-    from dl4py.data import ArrayDataSetIterator
-
     batch = iterator.batch_size
     classes = iterator.num_classes() if labels.dim() == 1 else None
     train = ArrayDataSetIterator(features[kept], labels[kept], batch, shuffle=getattr(iterator, "shuffle", True),

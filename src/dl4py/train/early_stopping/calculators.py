@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from dl4py.errors import ConfigError
+from dl4py.eval import RegressionEvaluation
+from dl4py.eval.select import is_regression_loss, output_loss
 
 CLASSIFICATION_METRICS = ("accuracy", "f1", "precision", "recall")
 REGRESSION_METRICS = {"mse": True, "mae": True, "rmse": True, "rse": True, "r2": False, "pc": False}  # -> minimise
@@ -64,8 +66,6 @@ class RegressionScoreCalculator(ScoreCalculator):
         self.minimize_score = REGRESSION_METRICS[metric]
 
     def calculate_score(self, model) -> float:
-        from dl4py.eval import RegressionEvaluation
-
         # Streamed batch by batch: nothing of the held-out set is kept but per-column sums.
         evaluation = RegressionEvaluation()
         for batch in self.iterator:
@@ -85,8 +85,6 @@ def calculator_for(metric: str, iterator, model=None) -> ScoreCalculator:
     if metric in REGRESSION_METRICS:
         return RegressionScoreCalculator(metric, iterator)
     if model is not None and metric in CLASSIFICATION_METRICS:
-        from dl4py.eval.select import is_regression_loss, output_loss
-
         loss = output_loss(model)
         if is_regression_loss(loss):
             raise ConfigError("training.early_stopping.metric",

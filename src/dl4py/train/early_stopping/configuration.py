@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from dl4py.errors import ConfigError
 from dl4py.train.early_stopping.calculators import ScoreCalculator
-from dl4py.train.early_stopping.conditions import EpochTerminationCondition, IterationTerminationCondition
+from dl4py.train.early_stopping.conditions import EpochTerminationCondition, IterationTerminationCondition, MaxEpochs
 from dl4py.train.early_stopping.savers import InMemoryModelSaver
 
 EPOCH_CONDITION = "EpochTerminationCondition"
@@ -52,8 +52,6 @@ class EarlyStoppingConfiguration:
 
     def max_epochs(self) -> int | None:
         """The most epochs a fit can train (its MaxEpochs); None where other conditions alone end it."""
-        from dl4py.train.early_stopping.conditions import MaxEpochs
-
         limits = [c.max_epochs for c in self.epoch_conditions if isinstance(c, MaxEpochs)]
         return min(limits) if limits else None
 

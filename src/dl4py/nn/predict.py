@@ -12,13 +12,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dl4py.nn.model import as_iterator
+from dl4py.data.adapters import as_iterator
 
 # As Model.output: at most this many examples in one forward pass.
 CHUNK = 4096
 
 
-def predict_proba(model, data, batch_size: int | None, label=None):
+def probabilities(model, data, batch_size: int | None, label=None):
     """``model.output(data)`` as numpy (a list of arrays for several outputs)."""
     outputs = model.output(_features(model, data, batch_size, label), batch_size or CHUNK)
     if isinstance(outputs, (list, tuple)):
@@ -26,10 +26,10 @@ def predict_proba(model, data, batch_size: int | None, label=None):
     return _numpy(outputs)
 
 
-def predict(model, data, batch_size: int | None, label=None):
+def predictions(model, data, batch_size: int | None, label=None):
     """Class indices (int64, one per example, or per step of a sequence) for a classifier's
     output, the output values for a regressor's."""
-    outputs = predict_proba(model, data, batch_size, label)
+    outputs = probabilities(model, data, batch_size, label)
     signature = model.signature()
     if isinstance(outputs, list):
         return [_decide(o, output.classifier) for o, output in zip(outputs, signature.outputs)]
