@@ -15,12 +15,22 @@ import torch
 from torch import nn
 
 from dl4py.backend import Backend, Precision, resolve_backend, resolve_precision
+from dl4py.backend.cuda_environment import environment
+from dl4py.data.adapters import as_iterator as adapt
 from dl4py.data.dataset import DataSet
+from dl4py.data.normalizers import Normalizer
 from dl4py.errors import BackendError, ConfigError, DataError
+from dl4py.eval.roc import ROC
+from dl4py.eval.select import new_evaluation, new_roc
 from dl4py.nn.memory_format import to_channels_last, use_channels_last
 from dl4py.nn.predict import predictions, probabilities
+from dl4py.nn.serialization import save_model
 from dl4py.nn.signature import Signature
 from dl4py.nn.training_state import TrainingState
+from dl4py.train import accumulate, loop
+from dl4py.train.progress import batches_of, console_listeners
+from dl4py.train.step import make_train_step
+from dl4py.train.validation import split_validation
 
 if TYPE_CHECKING:
     from dl4py.eval import Evaluation
@@ -109,7 +119,6 @@ class Model:
         """Create the parameters on the chosen backend, in the chosen precision. Idempotent."""
         if self.module is not None:
             return self
-        from dl4py.backend.cuda_environment import environment
 
         env = environment()
         env.apply()  # process-wide settings first: some must precede CUDA's start
@@ -211,9 +220,6 @@ class Model:
         run config's ``data.normalizer``); one fitted beforehand on all of ``data`` would have
         seen the held-out rows.
         """
-        from dl4py.train.loop import fit
-        from dl4py.train.progress import batches_of, console_listeners
-        from dl4py.train.validation import split_validation
 
         if accumulate_batches is not None:  # before anything else: a wrong value fails first
             self.set_accumulate_batches(accumulate_batches)
@@ -236,7 +242,7 @@ class Model:
         listeners = list(listeners)
         total = self.epoch_count + epochs if isinstance(epochs, int) else None  # a wrong one: fit says so
         listeners += console_listeners(verbose, total, batches_of(iterator), listeners)
-        return fit(self, iterator, epochs, listeners, validation=validation,
+        return loop.fit(self, iterator, epochs, listeners, validation=validation,
                    metrics=None if metrics is None else list(metrics))
 
     # ---- what trainers use (the single-device loop, parallel workers) ----------------------
@@ -246,7 +252,6 @@ class Model:
         is the caller's choice, so a step never waits for the GPU. ``(None, None)``: a
         parallel worker without a batch this round applies the shared update only."""
         if self._train_step is None:
-            from dl4py.train.step import make_train_step
 
             self._train_step = make_train_step(self, gradient_hook=self._gradient_hook)
         loss = self._train_step(features, labels)
@@ -258,11 +263,10 @@ class Model:
         """Make each update from the summed gradients of ``batches`` consecutive batches, as
         one step on their union would (``training.accumulate_batches``; docs/training.md).
         1 (the default) updates after every batch. Returns the model."""
-        from dl4py.train.accumulate import checked_batches, finish
 
-        batches = checked_batches(batches, "accumulate_batches")
+        batches = accumulate.checked_batches(batches, "accumulate_batches")
         if batches != self.accumulate_batches:
-            finish(self)  # an open window is applied, not lost
+            accumulate.finish(self)  # an open window is applied, not lost
             self.accumulate_batches = batches
             self._train_step = None  # rebuilt for the new setting
         return self
@@ -371,7 +375,6 @@ class Model:
                            loss: bool = True) -> tuple:
         """``(evaluate(data), score(data))`` in one pass over ``data`` (the score None when
         ``loss`` is False): what validation after each epoch needs, at the cost of one."""
-        from dl4py.eval.select import new_evaluation
 
         # Made at the first batch, when the labels' kind is known.
         evaluation, mean_loss = self._evaluate_into(data, lambda labels, _: new_evaluation(self, labels),
@@ -383,8 +386,6 @@ class Model:
         """DL4J's ``evaluateROC``: a ``ROC`` (AUROC, AUPRC) of a one-column sigmoid or two-column
         softmax output (positive class 1), a one-vs-all ``ROCMultiClass`` for more columns.
         ``threshold_steps`` 0 is exact; N counts at DL4J's N + 1 fixed thresholds instead."""
-        from dl4py.eval.roc import ROC
-        from dl4py.eval.select import new_roc
 
         # Made at the first batch, when the output's width is known.
         roc, _ = self._evaluate_into(data, lambda _, predictions: new_roc(predictions, threshold_steps),
@@ -416,7 +417,6 @@ class Model:
         ``fit``, ``evaluate``, ``score`` and ``output`` take raw features and the model applies
         ``normalizer`` (fitted, from ``dl4py.data.normalizers``) on its device; ``save`` keeps it.
         None removes it. Returns the model, so ``model.set_normalizer(n).fit(train)`` reads on."""
-        from dl4py.data.normalizers import Normalizer
 
         if normalizer is not None:
             if not isinstance(normalizer, Normalizer):
@@ -458,7 +458,6 @@ class Model:
     # ---- persistence ---------------------------------------------------------------------
     def save(self, path, save_updater: bool = True) -> None:
         """Write the model (config, weights, updater state, counters) atomically to ``path``."""
-        from dl4py.nn.serialization import save_model
 
         save_model(self, path, save_updater=save_updater)
 
@@ -468,7 +467,6 @@ _warned: set[str] = set()
 
 def _fitted_on(normalizer, training):
     """``fit(normalizer=...)``: the normalizer fitted on the training batches (one pass)."""
-    from dl4py.data.normalizers import Normalizer
 
     if not isinstance(normalizer, Normalizer):
         raise TypeError(f"fit(normalizer=...) needs a dl4py Normalizer, got {type(normalizer).__name__}")
@@ -509,6 +507,5 @@ def _as_tensor(value, name: str) -> torch.Tensor:
 
 def as_iterator(data, batch_size: int | None = None, **options):
     """Any data ``fit`` accepts as a DataSetIterator: see ``dl4py.data.adapters.as_iterator``."""
-    from dl4py.data.adapters import as_iterator as adapt
 
     return adapt(data, batch_size, **options)
