@@ -14,7 +14,8 @@ the same script measures the code before the redesign and after it. What each co
   keyword-only ones included, ``*args`` and ``**kwargs`` one each. Lambdas are not counted.
 - function-local import: an ``import``/``from ... import`` anywhere inside a ``def`` (any depth),
   outside cli.py; one under ``if TYPE_CHECKING:`` never runs and is not one. Its kind: "cycle" or
-  "optional" when a comment containing that word sits on the import's lines, or on the comment
+  "optional" when a comment containing that word sits on the import's lines ("lazy" for a
+  ``lazy:`` comment: torch modules only some plans load), or on the comment
   line just above it (or above the uncommented imports it is grouped with); else "optional
   dependency" when it imports one of OPTIONAL_PACKAGES; else "habit". For habits the script also
   says how many name the package's own modules, how many would close an import-time cycle if
@@ -167,6 +168,8 @@ def classify(comment: str, optional_dependency: bool) -> str:
         return "cycle"
     if "optional" in text:
         return "optional"
+    if "lazy:" in text:
+        return "lazy"
     return "optional dependency" if optional_dependency else "habit"
 
 
@@ -310,7 +313,7 @@ def measure(src: Path, floors: dict[str, int] = FLOORS) -> dict:
         "many_parameters": shape.many_parameters,
         "local_imports": shape.local_imports,
         "local_imports_of_own_modules": sum(item["own_module"] for item in shape.local_imports),
-        "local_import_kinds": {k: kinds.count(k) for k in ("cycle", "optional", "optional dependency", "habit")},
+        "local_import_kinds": {k: kinds.count(k) for k in ("cycle", "optional", "lazy", "optional dependency", "habit")},
         "habit_own_modules": sum(item["own_module"] for item in habit),
         "habit_closing_cycle": sum(item["closes_cycle"] for item in habit),
         "habit_on_cycle": sum(item["on_cycle"] for item in habit),
@@ -338,6 +341,7 @@ def summary_lines(result: dict) -> list[tuple[str, int, str]]:
          f"{result['local_imports_of_own_modules']} of the package's own modules"),
         ("  with a 'cycle' comment", kinds["cycle"], ""),
         ("  with an 'optional' comment", kinds["optional"], ""),
+        ("  with a 'lazy:' comment (loaded only where used)", kinds["lazy"], ""),
         ("  of an optional dependency, no comment", kinds["optional dependency"], ""),
         ("  habit (no reason given)", kinds["habit"], ""),
         ("    of which name the package's own modules", result["habit_own_modules"], ""),

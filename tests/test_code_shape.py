@@ -148,7 +148,7 @@ def test_function_local_imports_are_classified_by_their_comment_or_package(shape
         ("train/loop.py:7", "optional"),              # the comment line above it
         ("train/loop.py:8", "optional"),              # grouped under that comment
     ]  # cli.py's and the TYPE_CHECKING ones are not counted
-    assert shape["local_import_kinds"] == {"cycle": 2, "optional": 2, "optional dependency": 1, "habit": 4}
+    assert shape["local_import_kinds"] == {"cycle": 2, "optional": 2, "lazy": 0, "optional dependency": 1, "habit": 4}
     assert shape["habit_own_modules"] == 3            # errors, the root's __version__, monitor.storage
     assert shape["habit_closing_cycle"] == 2          # __version__ (the root imports nn.model), storage
     assert shape["habit_on_cycle"] == 0               # one runs through the root, one through an __init__
@@ -200,3 +200,10 @@ def test_bad_input_is_one_line_naming_the_file(tmp_path):
     (tmp_path / "broken.py").write_text("def f(:\n")
     with pytest.raises(SystemExit, match="broken.py: does not parse"):
         code_shape.measure(tmp_path)
+
+
+def test_a_lazy_comment_is_its_own_kind_and_a_reasonless_import_a_habit():
+    assert code_shape.classify("# lazy: only distributed plans load it", False) == "lazy"
+    assert code_shape.classify("# optional: pyspark (extra spark)", True) == "optional"
+    assert code_shape.classify("", True) == "optional dependency"
+    assert code_shape.classify("# not lazy, a habit", False) == "habit"

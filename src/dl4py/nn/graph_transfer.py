@@ -24,7 +24,9 @@ from dl4py.config.graph import GraphConfig, GraphNode, GraphVertex
 from dl4py.config.layers import Layer, WeightInit
 from dl4py.config.schema import join
 from dl4py.errors import ConfigError
-from dl4py.nn.transfer import _copy_kept
+from dl4py.nn.graph import ComputationGraph
+from dl4py.nn.loading import load
+from dl4py.nn.transfer import FineTuneConfiguration, _copy_kept
 
 _HERE = "TransferLearning.GraphBuilder"
 
@@ -33,8 +35,6 @@ class GraphTransferLearning:
     """Each method returns the builder; ``build()`` the new ComputationGraph."""
 
     def __init__(self, graph):
-        from dl4py.nn.graph import ComputationGraph
-        from dl4py.nn.loading import load
 
         if not isinstance(graph, ComputationGraph):
             if isinstance(graph, (str, bytes)) or hasattr(graph, "__fspath__"):
@@ -49,7 +49,6 @@ class GraphTransferLearning:
         self._fine_tune = None
 
     def fine_tune_configuration(self, fine_tune) -> "GraphTransferLearning":
-        from dl4py.nn.transfer import FineTuneConfiguration
 
         if not isinstance(fine_tune, FineTuneConfiguration):
             raise TypeError(f"fine_tune_configuration needs a FineTuneConfiguration, got {type(fine_tune).__name__}")
@@ -115,7 +114,6 @@ class GraphTransferLearning:
 
     # ---- the new graph ------------------------------------------------------------------------
     def build(self):
-        from dl4py.nn.graph import ComputationGraph
 
         config = self._config()
         source = self._source

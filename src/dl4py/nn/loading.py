@@ -7,10 +7,11 @@ that imports ``nn.model`` back.
 
 from __future__ import annotations
 
+from dl4py.config.graph import GraphConfig
 from dl4py.errors import DataError
 from dl4py.nn.declared_shapes import check_weights_declared
-from dl4py.nn.model_file import read_model_file
 from dl4py.nn.graph import ComputationGraph
+from dl4py.nn.model_file import read_model_file
 from dl4py.nn.network import MultiLayerNetwork
 from dl4py.nn.serialization import restore_saved
 
@@ -42,7 +43,6 @@ def load(path, into=None, backend=None, precision=None):
 def network_model(network, backend=None, precision=None):
     """The model a config describes: a MultiLayerNetwork for a NetworkConfig, a
     ComputationGraph for a GraphConfig (a run config's network may be either)."""
-    from dl4py.config.graph import GraphConfig
 
     if isinstance(network, GraphConfig):
         return ComputationGraph(network, backend=backend, precision=precision)

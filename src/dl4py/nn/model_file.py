@@ -21,6 +21,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 
+from dl4py.backend.precision import NAMES, resolve_precision
+from dl4py.config.graph import GraphConfig
+from dl4py.config.network import NetworkConfig
+from dl4py.data.normalizers import normalizer_from_state
 from dl4py.errors import BackendError, ConfigError, DataError, ModelFileError
 
 FORMAT = "dl4py-model"
@@ -178,7 +182,6 @@ def _check_meta(meta: Any, label: str, fail) -> dict:
 
 
 def _check_precision(name: Any, fail) -> None:
-    from dl4py.backend.precision import NAMES, resolve_precision
 
     if name is None:
         raise fail(f"meta.json names no precision (one of {', '.join(NAMES)})")
@@ -192,8 +195,6 @@ def _check_precision(name: Any, fail) -> None:
 
 
 def _network_config(data: Any, fail, kind: str = "multilayer"):
-    from dl4py.config.graph import GraphConfig
-    from dl4py.config.network import NetworkConfig
 
     try:
         return (GraphConfig if kind == "graph" else NetworkConfig).from_dict(data)
@@ -218,7 +219,6 @@ def _normalizer(entries: dict[str, bytes], wanted: bool, fail):
         if present:  # a normalizer the model would silently not apply
             raise fail(f"entry {present[0]} is present but meta.json says has_normalizer is false")
         return None
-    from dl4py.data.normalizers import normalizer_from_state
 
     settings = _json(entries, "normalizer.json", fail)
     stats = _tensors(entries, "normalizer.safetensors", fail)

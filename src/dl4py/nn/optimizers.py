@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from dl4py.config.layers import BatchNormalization
 from dl4py.config.layers_extra import LayerNormalization
@@ -74,7 +75,6 @@ def optimizer_kernel(setting: str, updater: Updater, device: torch.device, loss_
 
 def _fused_devices() -> tuple[str, ...]:
     try:  # torch's own list; private, so with a fallback for versions that move it
-        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
         return tuple(_get_fused_kernels_supported_devices())
     except ImportError:

@@ -29,6 +29,8 @@ from dl4py.config.network import NetworkConfig
 from dl4py.config.schema import ConfigBase, join
 from dl4py.config.updaters import Updater
 from dl4py.errors import ConfigError
+from dl4py.nn.loading import load
+from dl4py.nn.network import MultiLayerNetwork
 
 _HERE = "TransferLearning"
 
@@ -68,8 +70,6 @@ class TransferLearning:
     new MultiLayerNetwork. ``TransferLearning.Builder(model)`` reads as in DL4J."""
 
     def __init__(self, model):
-        from dl4py.nn.loading import load
-        from dl4py.nn.network import MultiLayerNetwork
 
         if not isinstance(model, MultiLayerNetwork):
             if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
@@ -147,7 +147,6 @@ class TransferLearning:
     def build(self):
         """The new MultiLayerNetwork, on the source's backend and precision, with the kept
         layers' parameters copied and the rest initialised."""
-        from dl4py.nn.network import MultiLayerNetwork
 
         config = self._config()
         source = self._source
@@ -211,7 +210,7 @@ def _copy_kept(source, target, kept: list, layer_of=lambda root, key: root[key])
 
 
 def _graph_builder(graph):
-    from dl4py.nn.graph_transfer import GraphTransferLearning
+    from dl4py.nn.graph_transfer import GraphTransferLearning  # cycle: dl4py.nn.graph_transfer imports this module
 
     return GraphTransferLearning(graph)
 

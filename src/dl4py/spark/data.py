@@ -23,11 +23,14 @@ import tempfile
 import uuid
 from pathlib import Path
 
+from dl4py.data.adapters import as_iterator
+from dl4py.data.streaming import TableDirectoryIterator
 from dl4py.errors import ConfigError, DataError
+from dl4py.eval.select import is_regression_loss, output_loss
 
 
 def is_spark_dataframe(data) -> bool:
-    from pyspark.sql import DataFrame
+    from pyspark.sql import DataFrame  # optional: pyspark (extra spark)
 
     return isinstance(data, DataFrame)
 
@@ -52,7 +55,6 @@ def rank_source(data, model, workers: int, *, label=None, features=None, batch_s
     if shuffle_buffer is not None:
         raise ConfigError("shuffle_buffer", f"applies to a Spark DataFrame or a table directory, not a "
                                             f"{type(data).__name__}")
-    from dl4py.data.adapters import as_iterator
 
     # As the ranks' ParallelWrapper will see it (arrays, a pandas DataFrame: as fit batches
     # them); every label of in-memory data is checked here, before any task starts.
@@ -67,7 +69,6 @@ def _what(data) -> str:
 
 
 def _table(path, label, features, workers: int, what: str, **options):
-    from dl4py.data.streaming import TableDirectoryIterator
 
     table = TableDirectoryIterator(path, label=label, features=features, **options)
     pieces = len(table.pieces())
@@ -99,10 +100,10 @@ def _staged(df, model, workers: int, label: str, features, staging_dir):
 def _flat_columns(df, model, label: str, features):
     """The label column and numeric feature columns, arrays and vectors spread into one
     column per element (``name_0``, ``name_1``, ...); their names."""
-    from pyspark.ml.functions import vector_to_array
-    from pyspark.ml.linalg import VectorUDT
-    from pyspark.sql import functions as F
-    from pyspark.sql import types as T
+    from pyspark.ml.functions import vector_to_array  # optional: pyspark (extra spark)
+    from pyspark.ml.linalg import VectorUDT  # optional: pyspark (extra spark)
+    from pyspark.sql import functions as F  # optional: pyspark (extra spark)
+    from pyspark.sql import types as T  # optional: pyspark (extra spark)
 
     types = {f.name: f.dataType for f in df.schema.fields}
     names = [features] if isinstance(features, str) else list(features) if features is not None else None
@@ -137,9 +138,7 @@ def _flat_columns(df, model, label: str, features):
 def _check_label(model, label: str, kind) -> None:
     """A classifier needs class indices; Spark ML keeps them as doubles. Say so before
     staging anything rather than let every rank fail on its first batch."""
-    from pyspark.sql import types as T
-
-    from dl4py.eval.select import is_regression_loss, output_loss
+    from pyspark.sql import types as T  # optional: pyspark (extra spark)
 
     loss = output_loss(model)
     if loss is None or is_regression_loss(loss):

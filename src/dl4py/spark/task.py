@@ -17,15 +17,19 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing import AuthenticationError
 
+import torch
+
 from dl4py.backend import Precision
 from dl4py.config.parallel import ParallelOptions
 from dl4py.errors import DL4PyError
+from dl4py.nn import load
+from dl4py.nn.serialization import model_bytes, restore_state
 from dl4py.parallel.events import EventRelay
 from dl4py.parallel.processes import is_lost_peer
 from dl4py.parallel.wrapper import ParallelWrapper
 from dl4py.spark.events import DriverLine, send_once
-from dl4py.spark.reports import (ERROR, LOST_PEER, STOPPED, TASK_GONE, USER_ERROR, RankExited, RankFailed,
-                                 RankFinished, RankStarted, TaskProcesses, ended_above)
+from dl4py.spark.reports import (ERROR, LOST_PEER, STOPPED, TASK_GONE, USER_ERROR, RankExited, RankFailed, RankFinished,
+                                 RankStarted, TaskProcesses, ended_above)
 from dl4py.spark.supervisor import await_cancellation, supervise
 from dl4py.train.loop import TrainingInterrupted
 
@@ -102,7 +106,6 @@ def _train(job: TaskJob, rank: int, line):
                                                               verbose=0, accumulate_batches=job.accumulate_batches)
     if rank != 0:
         return None
-    from dl4py.nn.serialization import model_bytes
 
     return {"model": model_bytes(model), "summaries": list(history)}
 
@@ -117,13 +120,10 @@ def _line(job: TaskJob):
 
 
 def _replica(job: TaskJob):
-    from dl4py.nn import load
-    from dl4py.nn.serialization import restore_state
 
     backend = "gpu" if job.use_gpu else "cpu"  # TorchDistributor gives a GPU task its GPU alone
     if job.torch_model is None:
         return load(job.model, backend=backend, precision=job.precision)
-    import torch
 
     model = torch.load(io.BytesIO(job.torch_model), map_location="cpu", weights_only=False)
     model.place(backend, job.precision)

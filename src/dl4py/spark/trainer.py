@@ -23,9 +23,12 @@ import threading
 import time
 import uuid
 
+import torch
+
 from dl4py.config.parallel import ParallelOptions, given_options
 from dl4py.errors import ConfigError, TrainingError
 from dl4py.nn.model import Model
+from dl4py.nn.torch_model import TorchModel
 from dl4py.parallel.coordinator import Coordinator, RanksEnded
 from dl4py.parallel.events import EventReplay
 from dl4py.parallel.preflight import check_batches_for_world
@@ -33,8 +36,8 @@ from dl4py.parallel.processes import exit_description
 from dl4py.spark.data import rank_source
 from dl4py.spark.events import EventServer
 from dl4py.spark.logs import quiet_failure_logs, spark_reason
-from dl4py.spark.task import TaskJob, train_task
 from dl4py.spark.session import check_slots, jvm_exit
+from dl4py.spark.task import TaskJob, train_task
 from dl4py.spark.verdict import RankOutcomes
 from dl4py.train.history import History
 from dl4py.train.loop import TrainingInterrupted
@@ -129,7 +132,7 @@ class SparkTrainer:
     def _session(self):
         if self.spark is not None:
             return self.spark
-        from pyspark.sql import SparkSession
+        from pyspark.sql import SparkSession  # optional: pyspark (extra spark)
 
         active = SparkSession.getActiveSession()
         if active is None:
@@ -146,7 +149,7 @@ class SparkTrainer:
     def _run(self, spark, job: TaskJob, server: EventServer, replay: EventReplay) -> dict:
         """Run the Spark job, replaying rank 0's events meanwhile; the first rank to fail or
         die stops it, and what ended it is what is raised (``verdict.py``)."""
-        from pyspark.ml.torch.distributor import TorchDistributor
+        from pyspark.ml.torch.distributor import TorchDistributor  # optional: pyspark (extra spark)
 
         try:
             distributor = TorchDistributor(num_processes=self.workers, local_mode=False, use_gpu=self.use_gpu)
@@ -245,12 +248,10 @@ def _task_cpus(spark) -> int:
 def _torch_model(model):
     """A TorchModel's recipe for the ranks; cloudpickle carries a module class defined in a
     notebook or script (``__main__``) by value, where the executors could not import it."""
-    from dl4py.nn.torch_model import TorchModel
 
     if not isinstance(model, TorchModel):
         return None
-    import torch
-    from pyspark import cloudpickle
+    from pyspark import cloudpickle  # optional: pyspark (extra spark)
 
     buffer = io.BytesIO()
     try:
@@ -262,7 +263,7 @@ def _torch_model(model):
 
 def _check_picklable(**values) -> None:
     """Say what cannot travel to the executors before any task starts."""
-    from pyspark import cloudpickle
+    from pyspark import cloudpickle  # optional: pyspark (extra spark)
 
     for name, value in values.items():
         try:

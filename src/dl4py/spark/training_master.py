@@ -15,7 +15,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from dl4py.config import GraphConfig, NetworkConfig
 from dl4py.config.parallel import ParallelOptions
+from dl4py.nn.loading import network_model
 from dl4py.spark.data import is_spark_dataframe
 from dl4py.spark.trainer import SparkTrainer
 
@@ -61,8 +63,6 @@ class SparkDl4jMultiLayer:
     network, which ``get_network()`` returns."""
 
     def __init__(self, spark, network, training_master, *, use_gpu: bool = False):
-        from dl4py.config import GraphConfig, NetworkConfig
-        from dl4py.nn.loading import network_model
 
         # A GraphConfig trains here too (DL4J has SparkComputationGraph for it).
         self.network = network_model(network) if isinstance(network, (NetworkConfig, GraphConfig)) else network
