@@ -121,7 +121,7 @@ def rehearse(tmp_path, steps: list[str]) -> None:
     assert (tmp_path / "gpu-check-cpu.md").read_text().startswith("# GPU check: CPU")
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # 80 s of make test's 20-minute budget: make soak runs it, and the full one below
 def test_the_cpu_rehearsal_gives_each_step_a_verdict(tmp_path):
     rehearse(tmp_path, IN_MAKE_TEST)
 
