@@ -93,21 +93,27 @@ SAMPLES.update({name: next(layer for layer in layers if layer.type_name == name)
                 for name, (_, layers) in SEQUENCE_SAMPLES.items()})
 
 
-def test_every_layer_type_has_a_sample():
-    assert set(SAMPLES) == set(Layer.registry), "add a sample for each new layer type"
-
-
-@pytest.mark.parametrize("type_name", sorted(SAMPLES))
-def test_round_trip_every_layer_type(type_name):
+def sample_layers(type_name: str):
+    """``(input_type, layers)``: a valid network around the sample of ``type_name``, as every
+    per-type test (round trip, model files, the layer registry) places it."""
     layer = SAMPLES[type_name]
     layers = [layer] if type_name != "output" else []
     if type_name not in CNN_TYPES:
         layers = [GlobalPoolingLayer()] + layers  # cnn -> flat first, so flat layers get flat input
     if type_name in ("batch_normalization", "activation", "dropout"):
         layers = [layer, GlobalPoolingLayer()]  # these also take cnn input
-    input_type, layers = InputType.convolutional(8, 6, 2), layers + [SAMPLES["output"]]
     if type_name in SEQUENCE_SAMPLES:
-        input_type, layers = SEQUENCE_SAMPLES[type_name]
+        return SEQUENCE_SAMPLES[type_name]
+    return InputType.convolutional(8, 6, 2), layers + [SAMPLES["output"]]
+
+
+def test_every_layer_type_has_a_sample():
+    assert set(SAMPLES) == set(Layer.registry), "add a sample for each new layer type"
+
+
+@pytest.mark.parametrize("type_name", sorted(SAMPLES))
+def test_round_trip_every_layer_type(type_name):
+    input_type, layers = sample_layers(type_name)
     config = NetworkConfig(
         layers=layers,
         input_type=input_type,

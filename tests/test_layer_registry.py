@@ -10,12 +10,12 @@ import torch
 
 import dl4py
 import dl4py.config
-from dl4py.config import GlobalPoolingLayer, InputType, NetworkConfig
+from dl4py.config import InputType, NetworkConfig
 from dl4py.config.registry import BUILDER, LAYERS, MEMORY_RULE, LayerRegistry
 from dl4py.errors import ConfigError
 from dl4py.memory.operations import network_ops  # imported, it has every memory rule registered
 from dl4py.nn.builder import build_module  # ... and this every builder
-from test_config import CNN_TYPES, SAMPLES, SEQUENCE_SAMPLES
+from test_config import SAMPLES, SEQUENCE_SAMPLES, sample_layers
 
 # The layer types before the registry, written out so that a type lost on the way fails.
 TYPE_NAMES = [
@@ -56,15 +56,8 @@ def test_every_layer_class_is_exported_from_dl4py_and_dl4py_config():
 def _sample_network(type_name: str) -> NetworkConfig:
     """test_config's sample of the type in a network (as its round trip builds it), every
     sequence of a fixed length, so that its memory can be estimated."""
-    layer = SAMPLES[type_name]
-    layers = [layer] if type_name != "output" else []
-    if type_name not in CNN_TYPES:
-        layers = [GlobalPoolingLayer()] + layers
-    if type_name in ("batch_normalization", "activation", "dropout"):
-        layers = [layer, GlobalPoolingLayer()]
-    input_type, layers = InputType.convolutional(8, 6, 2), layers + [SAMPLES["output"]]
+    input_type, layers = sample_layers(type_name)
     if type_name in SEQUENCE_SAMPLES:
-        input_type, layers = SEQUENCE_SAMPLES[type_name]
         if hasattr(input_type, "length"):
             input_type = InputType.recurrent(input_type.size, input_type.length or 5)
     return NetworkConfig(layers=layers, input_type=input_type, seed=7, weight_init="relu", activation="tanh")

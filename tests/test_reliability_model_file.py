@@ -22,10 +22,8 @@ from safetensors.torch import save as st_save
 import dl4py
 from dl4py import ComputationGraph, MultiLayerNetwork, NetworkConfig
 from dl4py.config.graph import GraphConfig
-from dl4py.config.layers import GlobalPoolingLayer
-from dl4py.config.input_type import InputType
 from dl4py.errors import ModelFileError
-from test_config import CNN_TYPES, SAMPLES, SEQUENCE_SAMPLES
+from test_config import SAMPLES, sample_layers
 
 ROOT = Path(__file__).resolve().parents[1]
 NETWORK = {
@@ -155,15 +153,7 @@ def test_a_graph_config_larger_than_its_weights_names_the_vertex(tmp_path):
 
 def _network_of(type_name: str) -> NetworkConfig:
     """A valid network holding test_config's sample of ``type_name`` (as its round-trip test places it)."""
-    layer = SAMPLES[type_name]
-    layers = [layer] if type_name != "output" else []
-    if type_name not in CNN_TYPES:
-        layers = [GlobalPoolingLayer()] + layers
-    if type_name in ("batch_normalization", "activation", "dropout"):
-        layers = [layer, GlobalPoolingLayer()]
-    input_type, layers = InputType.convolutional(8, 6, 2), layers + [SAMPLES["output"]]
-    if type_name in SEQUENCE_SAMPLES:
-        input_type, layers = SEQUENCE_SAMPLES[type_name]
+    input_type, layers = sample_layers(type_name)
     return NetworkConfig(layers=layers, input_type=input_type, seed=7)
 
 

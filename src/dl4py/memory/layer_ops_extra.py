@@ -51,14 +51,20 @@ def _zero_padding(layer, index: int, shapes: LayerShapes, config, device: str) -
     return [Op(index, "constant_pad_nd", elements(shapes.output, config), False, False)]
 
 
-@LAYERS.memory_rule("deconvolution2d")
-def _deconvolution2d(layer, index: int, shapes: LayerShapes, config, device: str) -> list[Op]:
+def convolution_ops(layer, i: int, shapes: LayerShapes, config, kernel: str) -> list[Op]:
+    """A 2-D convolution's ``kernel`` (``conv2d``, ``conv_transpose2d``: the same weights,
+    ``n_in * n_out * kh * kw``) and its activation."""
     n_out = elements(shapes.output, config)
     kh, kw = layer.kernel_size
     weights = shapes.input.dims[0] * layer.n_out * kh * kw
     params = param_sizes(weights, layer.n_out if layer.has_bias else 0, weight_decay(layer, config))
-    deconv = Op(index, "conv_transpose2d", n_out, True, False, params=params, autocast=True, upcast_on_cpu=True)
-    return [deconv] + activation_ops(index, layer.activation or config.activation, n_out)
+    conv = Op(i, kernel, n_out, True, False, params=params, autocast=True, upcast_on_cpu=True)
+    return [conv] + activation_ops(i, layer.activation or config.activation, n_out)
+
+
+@LAYERS.memory_rule("deconvolution2d")
+def _deconvolution2d(layer, index: int, shapes: LayerShapes, config, device: str) -> list[Op]:
+    return convolution_ops(layer, index, shapes, config, "conv_transpose2d")
 
 
 @LAYERS.memory_rule("layer_normalization")

@@ -19,11 +19,11 @@ from __future__ import annotations
 import dataclasses
 
 # Each registers its layers' memory rules when imported.
-import dl4py.memory.layer_ops_extra  # noqa: F401
 import dl4py.memory.sequence_ops  # noqa: F401
 from dl4py.config.layers import Layer, Shape
 from dl4py.config.network import LayerShapes, NetworkConfig
 from dl4py.config.registry import LAYERS
+from dl4py.memory.layer_ops_extra import convolution_ops  # also registers the extra layers' rules
 from dl4py.memory.op import Op, activation_ops, param_sizes, weight_decay
 from dl4py.memory.sequence_ops import elements
 
@@ -80,12 +80,8 @@ def _linear(layer, i: int, shapes: LayerShapes, config) -> list[Op]:
 
 @LAYERS.memory_rule("convolution")
 def _convolution(layer, i: int, shapes: LayerShapes, config, device: str) -> list[Op]:
-    n_out = elements(shapes.output, config)
-    kh, kw = layer.kernel_size
-    weights = shapes.input.dims[0] * layer.n_out * kh * kw
-    params = param_sizes(weights, layer.n_out if layer.has_bias else 0, weight_decay(layer, config))
-    conv = Op(i, "conv2d", n_out, True, False, params=params, autocast=True, upcast_on_cpu=True)
-    return [conv] + activation_ops(i, layer.activation or config.activation, n_out)
+    return convolution_ops(layer, i, shapes, config, "conv2d")
+
 
 
 @LAYERS.memory_rule("subsampling")
