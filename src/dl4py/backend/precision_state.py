@@ -69,9 +69,10 @@ class PrecisionState:
     unless masters are kept)."""
 
     def __init__(self, policy, module: nn.Module, device: torch.device,
-                 max_skipped_steps: int = DEFAULT_MAX_SKIPPED_STEPS):
+                 max_skipped_steps: int = DEFAULT_MAX_SKIPPED_STEPS, masters: bool | None = None):
         self.policy, self.device = policy, device
-        self._masters = MasterWeights(module, policy.param_dtype) if policy.master_weights else None
+        masters = policy.master_weights if masters is None else masters  # False: FSDP keeps them (for_sharded)
+        self._masters = MasterWeights(module, policy.param_dtype) if masters else None
         self.module = module if self._masters is None else self._masters.module
         self.stepped_module = module
         self._scaler = torch.amp.GradScaler(device.type) if policy.uses_loss_scaling else None
@@ -177,7 +178,7 @@ class PrecisionState:
     def for_sharded(self, module: nn.Module) -> "PrecisionState":
         """The state of the same model once FSDP runs ``module`` (the masters, sharded): FSDP
         casts each gathered unit itself, so no master copy is kept; the loss scale goes on."""
-        state = PrecisionState(_Unmastered(self.policy), module, self.device, self.max_skipped_steps)
+        state = PrecisionState(self.policy, module, self.device, self.max_skipped_steps, masters=False)
         if self._scaler is not None:
             state._scaler.load_state_dict(self._scaler.state_dict())
         state.skipped_steps, state.skipped_in_a_row = self.skipped_steps, self.skipped_in_a_row
@@ -205,17 +206,3 @@ class PrecisionState:
     def named_master_parameters(self) -> dict[str, torch.Tensor]:
         return {} if self._masters is None else dict(self.stepped_module.named_parameters())
 
-
-class _Unmastered:
-    """A policy as FSDP runs it: the same name and dtypes, its masters kept by FSDP."""
-
-    master_weights = False
-
-    def __init__(self, policy):
-        self._policy = policy
-
-    def __getattr__(self, name):
-        return getattr(self._policy, name)
-
-    def __str__(self) -> str:
-        return str(self._policy)
