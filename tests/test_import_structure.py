@@ -26,16 +26,6 @@ REASON = re.compile(r"(?:^|\s)#\s*(cycle|optional|lazy):\s*(\S.*)")
 MODULE = re.compile(r"\bdl4py(?:\.\w+)+")
 INDENTED_IMPORT = re.compile(r"^[ \t]+(?:import|from)\s", re.MULTILINE)
 
-# Files (relative to src/dl4py) that still hold imports inside functions with no reason given.
-# Issue 30 asks for every one of them to be hoisted or explained: this set must shrink to empty.
-# Remove a file as soon as it is done (the test below fails while a done file is still listed).
-NOT_YET_HOISTED = {
-    "launchers.py", "runner.py",
-    "config/graph.py", "config/network.py", "config/run.py", "spark/session.py",
-    "train/early_stopping/savers.py", "train/early_stopping/trainer.py",
-}
-
-
 def _comments(source: str) -> dict[int, str]:
     """The comment on each line, by line number."""
     tokens = tokenize.generate_tokens(io.StringIO(source).readline)
@@ -88,15 +78,9 @@ def test_every_import_inside_a_function_says_why():
     files = _scan()
     counts = Counter(kind for imports in files.values() for _, kind in imports)
     print("imports inside functions, outside cli.py:", dict(sorted(counts.items())))  # information only
-    unexplained = [f"src/dl4py/{name}:{line}" for name, imports in files.items() if name not in NOT_YET_HOISTED
+    unexplained = [f"src/dl4py/{name}:{line}" for name, imports in files.items()
                    for line, kind in imports if kind == "habit"]
     if unexplained:
         pytest.fail("imports inside a function with no reason: hoist each to the top of its module, or say why on "
                     "its line with '# cycle: dl4py.<module> imports this module' or '# optional: <package> "
                     "(extra <name>)':\n  " + "\n  ".join(unexplained), pytrace=False)
-
-
-def test_the_allow_list_names_only_files_still_to_hoist():
-    files = _scan()
-    done = sorted(name for name in NOT_YET_HOISTED if not any(kind == "habit" for _, kind in files.get(name, [])))
-    assert not done, f"remove from NOT_YET_HOISTED (nothing left to hoist, or no such file): {done}"

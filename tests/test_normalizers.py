@@ -208,6 +208,19 @@ def test_normalizer_config_errors_name_the_key(tmp_path, value, key):
         _run_config(tmp_path, value)
 
 
+@pytest.mark.parametrize("value, kind", [
+    ("standardize", NormalizerStandardize),
+    ({"type": "minmax", "min_range": -1, "max_range": 2}, NormalizerMinMaxScaler),
+    ({"type": "image_scaler", "min_range": -1, "max_range": 1, "max_bits": 4}, ImagePreProcessingScaler),
+])
+def test_each_normalizer_section_builds_its_normalizer_with_its_options(tmp_path, value, kind):
+    """config/ names the normalizers and data/ registers their classes (config imports no data/)."""
+    section = _run_config(tmp_path, value).data.normalizer
+    built = section.build()
+    assert type(built) is kind
+    assert built.settings() == section.to_dict()
+
+
 # ---- a corrupt normalizer entry in a model file -----------------------------------------------
 @pytest.fixture(scope="module")
 def saved_entries(tmp_path_factory) -> dict[str, bytes]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from dl4py.config.parallel import ParallelOptions
 from dl4py.errors import ConfigError
+from dl4py.parallel import launched_by_torchrun
 
 LAUNCHERS = ("spawn", "torchrun", "spark")
 
@@ -36,8 +37,6 @@ def choose_launcher(name: str | None, spark_master: str | None, config):
     """``(Launcher, config)``: the launcher asked for (None: torchrun when this process was
     started by it, else spawn), checked against how this process was started and what the
     config asks; under torchrun, ``training.workers`` left at 1 becomes the world size."""
-    from dl4py.parallel import launched_by_torchrun
-
     launched = launched_by_torchrun()
     name = name or ("torchrun" if launched else "spawn")
     if name not in LAUNCHERS:
@@ -62,7 +61,7 @@ def choose_launcher(name: str | None, spark_master: str | None, config):
                                                   "processes; leave it out under torchrun")
     if name == "spark":
         try:
-            import dl4py.spark  # noqa: F401  (before any run directory exists: pyspark is optional)
+            import dl4py.spark  # noqa: F401  # optional: pyspark (extra spark), tried before any run directory exists
         except ImportError as exc:
             raise ConfigError("launcher", f"spark: {exc}") from None
         if training.early_stopping is not None:
@@ -79,7 +78,7 @@ def fit_on_spark(launcher: Launcher, model, options: ParallelOptions, train, epo
                  validation, use_gpu: bool = False):
     """The run's fit with Spark tasks as its ranks (one GPU each with ``use_gpu``: the run's
     backend is ``gpu``); this process is the driver, and each task receives ``options``."""
-    from dl4py.spark import SparkTrainer, spark_session
+    from dl4py.spark import SparkTrainer, spark_session  # optional: pyspark (extra spark)
 
     with spark_session(launcher.spark_master, workers=options.workers) as spark:
         trainer = SparkTrainer(model, spark=spark, use_gpu=use_gpu, options=options)

@@ -16,6 +16,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -24,14 +25,28 @@ from dl4py.config.graph import example_shape
 from dl4py.config.run import DataConfig, RunConfig
 from dl4py.run_data import make_iterators, make_validation
 from dl4py.errors import ConfigError, TrainingError
+from dl4py.eval import RegressionEvaluation
 from dl4py.io import atomic_write_json, atomic_write_text
 from dl4py.launchers import choose_launcher, fit_on_spark
+from dl4py.memory.auto import auto_batch_size
 from dl4py.monitor.environment import environment_record
 from dl4py.monitor.run_logging import RunLogging, class_fields
 from dl4py.nn.loading import load, network_model
 from dl4py.nn.model_file import read_meta
+from dl4py.parallel import EarlyStoppingParallelTrainer, ParallelWrapper
 from dl4py.resume import check_resume, resumed_message
 from dl4py.run_dir import CHECKPOINT, MODEL, RunRecord, prepare_run_dir, remove_new_run, saved_files
+from dl4py.train.early_stopping import (
+    EarlyStoppingConfiguration,
+    EarlyStoppingTrainer,
+    InvalidScore,
+    LocalFileModelSaver,
+    MaxEpochs,
+    MaxTime,
+    ScoreImprovement,
+)
+from dl4py.train.early_stopping.calculators import calculator_for
+from dl4py.train.early_stopping.configuration import ERROR
 from dl4py.train.listeners import (
     CheckpointListener,
     PerformanceListener,
@@ -127,27 +142,20 @@ def _train_run(config: RunConfig, output, resume: bool, config_name: str, progre
         lock.release()
 
 
+class _RunData(NamedTuple):
+    """The run's iterators: ``validation`` and ``test`` are None where the config has none."""
+
+    train: object
+    validation: object
+    test: object
+
+
 def _train_locked(config: RunConfig, run_dir: Path, resume: bool, progress, record: RunRecord, launch) -> dict:
     environment().update_from_config(config.environment)  # the config names what it sets
-    network = config.network
-    model = network_model(network, backend=config.training.backend, precision=config.training.precision)
-    checkpoint = run_dir / CHECKPOINT
+    model = _run_model(config, run_dir, resume)
+    config, data = _run_data(config, model, run_dir, resume)
     if resume:
-        model = load(checkpoint, backend=config.training.backend, precision=config.training.precision)
-        check_resume(config, model, run_dir)
-    model.init()
-    model.set_accumulate_batches(config.training.accumulate_batches)  # a setting of the run, not of the file
-    auto = config.training.batch_size == "auto"
-    train, test = make_iterators(config.data, 1 if auto else config.training.batch_size,
-                                 example_shape(network))
-    if auto:
-        config = _resolve_batch_size(config, model, train, run_dir if resume else None)
-        for iterator in filter(None, (train, test)):
-            iterator.batch_size = config.training.batch_size  # the data read once, batched as chosen
-    train, validation = make_validation(config.data, train, config.training.batch_size)
-    _attach_normalizer(model, config.data, train, resume)  # on the training part only
-    if resume:
-        log.info("%s", resumed_message(run_dir, model, read_meta(checkpoint), batches_of(train)))
+        log.info("%s", resumed_message(run_dir, model, read_meta(run_dir / CHECKPOINT), batches_of(data.train)))
     atomic_write_text(run_dir / "config.yaml", config.to_yaml())
     atomic_write_json(run_dir / "environment.json", environment_record(model))
     record.config, record.model = config, model
@@ -156,7 +164,49 @@ def _train_locked(config: RunConfig, run_dir: Path, resume: bool, progress, reco
     # metrics.jsonl, and TensorBoard and MLflow when asked for: opened last, just before training
     record.logging = RunLogging(config.logging, run_dir, config, resume, primary=launch.rank == 0)
     stats = record.logging.listener(score_every=config.training.score_every)
-    listeners = [stats, PerformanceListener(report=False), CheckpointListener(checkpoint)]
+    listeners = _run_listeners(record, stats, data.train, epochs_left, progress)
+
+    result = {"status": "running", "run_dir": str(run_dir), "launcher": launch.name}
+    record.training_started = True
+    try:
+        summaries, stopping = _fit_run(record, data, listeners, epochs_left, launch)
+    except TrainingInterrupted as exc:
+        _record_interruption(exc, record, result)
+        raise
+    return _complete_run(record, data, summaries, stopping, stats, result)
+
+
+def _run_model(config: RunConfig, run_dir: Path, resume: bool):
+    """The config's network, or on a resume the run's checkpoint, initialized for this run."""
+    model = network_model(config.network, backend=config.training.backend, precision=config.training.precision)
+    if resume:
+        model = load(run_dir / CHECKPOINT, backend=config.training.backend, precision=config.training.precision)
+        check_resume(config, model, run_dir)
+    model.init()
+    model.set_accumulate_batches(config.training.accumulate_batches)  # a setting of the run, not of the file
+    return model
+
+
+def _run_data(config: RunConfig, model, run_dir: Path, resume: bool) -> tuple[RunConfig, _RunData]:
+    """The run's data, batched, split and normalized, and the config with ``batch_size: auto``
+    resolved to the number chosen."""
+    auto = config.training.batch_size == "auto"
+    train, test = make_iterators(config.data, 1 if auto else config.training.batch_size,
+                                 example_shape(config.network))
+    if auto:
+        config = _resolve_batch_size(config, model, train, run_dir if resume else None)
+        for iterator in filter(None, (train, test)):
+            iterator.batch_size = config.training.batch_size  # the data read once, batched as chosen
+    train, validation = make_validation(config.data, train, config.training.batch_size)
+    _attach_normalizer(model, config.data, train, resume)  # on the training part only
+    return config, _RunData(train, validation, test)
+
+
+def _run_listeners(record: RunRecord, stats, train, epochs_left: int, progress) -> list:
+    """The listeners of the run's fit: ``stats`` (metrics.jsonl and the loggers), the speed
+    meter, the checkpoint, the score lines and the console's."""
+    config, model = record.config, record.model
+    listeners = [stats, PerformanceListener(report=False), CheckpointListener(record.run_dir / CHECKPOINT)]
     if config.training.score_every:
         listeners.append(ScoreIterationListener(config.training.score_every))
     # The run's own epoch numbers: after a resume at epoch 1 of 2 the bar says "epoch 2/2".
@@ -164,45 +214,61 @@ def _train_locked(config: RunConfig, run_dir: Path, resume: bool, progress, reco
     to_train = epochs_left if section is None else section.max_epochs or config.training.epochs
     listeners += console_listeners("auto" if progress is None else progress, model.epoch_count + to_train,
                                    batches_of(train))
+    return listeners
 
-    result = {"status": "running", "run_dir": str(run_dir), "launcher": launch.name}
-    stopping = None
-    record.training_started = True
-    try:
-        if config.training.early_stopping is None:
-            summaries = _fit(model, config.training, train, epochs_left, listeners, validation, launch)
-        else:
-            stopping = _fit_early_stopping(model, config, train, validation, test, run_dir, listeners)
-            summaries = stopping.history or []
-            result["early_stopping"] = {**stopping.to_dict(),
-                                        "score_set": "validation" if validation is not None else "test"}
-            record.early_stopping = result["early_stopping"]
-    except TrainingInterrupted as exc:
-        exc.run_dir = run_dir  # for the command that continues it
-        result.update(result_fields(config, model, [], None, record.started), status="interrupted",
-                      saved=saved_files(run_dir))
-        atomic_write_json(run_dir / "result.json", result)
-        raise
+
+def _fit_run(record: RunRecord, data: _RunData, listeners: list, epochs_left: int, launch):
+    """``(summaries, stopping)``: the epochs' summaries, and early stopping's result where the
+    config asks for it (else None), which the record keeps for ``result.json``."""
+    config, model = record.config, record.model
+    if config.training.early_stopping is None:
+        return _fit(model, config.training, data.train, epochs_left, listeners, data.validation, launch), None
+    stopping = _fit_early_stopping(model, config, data.train, data.validation, data.test, record.run_dir, listeners)
+    record.early_stopping = {**stopping.to_dict(),
+                             "score_set": "validation" if data.validation is not None else "test"}
+    return stopping.history or [], stopping
+
+
+def _record_interruption(exc: TrainingInterrupted, record: RunRecord, result: dict) -> None:
+    """``result.json`` of a run stopped between updates: status interrupted, what it saved."""
+    exc.run_dir = record.run_dir  # for the command that continues it
+    result.update(result_fields(record.config, record.model, [], None, record.started), status="interrupted",
+                  saved=saved_files(record.run_dir))
+    atomic_write_json(record.run_dir / "result.json", result)
+
+
+def _complete_run(record: RunRecord, data: _RunData, summaries: list, stopping, stats, result: dict) -> dict:
+    """The trained run's model (with early stopping, the best one) saved and scored, and
+    ``result.json`` written: status completed."""
+    model, run_dir = record.model, record.run_dir
     trained = {"epochs": model.epoch_count, "iterations": model.iteration_count}
     if stopping is not None:
+        result["early_stopping"] = record.early_stopping
         model = _early_stopping_model(stopping, model)  # the best one may be an earlier epoch's
         record.model = model
+    evaluation = _save_and_evaluate(model, data.test, run_dir, stats)
+    if data.validation is not None:  # the run's model on the held-out data (what a sweep ranks by)
+        # Without early stopping that model is the last epoch's, scored already.
+        last = summaries[-1].validation if stopping is None and summaries else None
+        scores = last if last is not None else validation_record(model, data.validation)
+        result.update({k: _json_number(v) for k, v in scores.items()})
+    result.update(result_fields(record.config, model, summaries, evaluation, record.started), **trained,
+                  history=History(summaries).to_dict(), status="completed")
+    atomic_write_json(run_dir / "result.json", result)
+    record.logging.finish()  # report.html, MLflow's artifacts and the end of its run
+    return result
+
+
+def _save_and_evaluate(model, test, run_dir: Path, stats):
+    """``model.dl4py`` written, and the model's evaluation on the test data (None without it),
+    recorded in ``evaluation.txt`` and the metrics."""
     evaluation = model.evaluate(test) if test is not None else None
     model.save(run_dir / MODEL)
     if evaluation is not None:
         atomic_write_text(run_dir / "evaluation.txt", evaluation.stats())
         stats.write({"kind": "evaluation", "epoch": model.epoch_count, **_eval_fields(evaluation),
                      **class_fields(evaluation)})
-    if validation is not None:  # the run's model on the held-out data (what a sweep ranks by)
-        # Without early stopping that model is the last epoch's, scored already.
-        last = summaries[-1].validation if stopping is None and summaries else None
-        scores = last if last is not None else validation_record(model, validation)
-        result.update({k: _json_number(v) for k, v in scores.items()})
-    result.update(result_fields(config, model, summaries, evaluation, record.started), **trained,
-                  history=History(summaries).to_dict(), status="completed")
-    atomic_write_json(run_dir / "result.json", result)
-    record.logging.finish()  # report.html, MLflow's artifacts and the end of its run
-    return result
+    return evaluation
 
 
 def _end_logging(record: RunRecord, exc: BaseException) -> None:
@@ -225,8 +291,6 @@ def _early_stopping_model(stopping, model):
     """The run's model after early stopping: the best one (the last is the checkpoint),
     where the run trained. Training that ended in an error, or on a NaN loss before any
     epoch was scored, has no model worth evaluating: a TrainingError says why."""
-    from dl4py.train.early_stopping.configuration import ERROR
-
     if stopping.best_model_epoch >= 0:
         return stopping.best_model(backend=model.backend)
     if stopping.termination_reason == ERROR:
@@ -249,8 +313,6 @@ def _resolve_batch_size(config: RunConfig, model, train, resumed_dir: Path | Non
     if resumed_dir is not None:
         recorded = RunConfig.from_file(resumed_dir / "config.yaml").training.batch_size
         return config.with_overrides([f"training.batch_size={recorded}"])
-    from dl4py.memory.auto import auto_batch_size
-
     features, labels = getattr(train, "features", None), getattr(train, "labels", None)
     if isinstance(features, torch.Tensor) and isinstance(labels, torch.Tensor):
         example_bytes = features[:1].element_size() * features[:1].numel() + labels[:1].element_size()
@@ -270,8 +332,6 @@ def _fit(model, training, train, epochs: int, listeners: list, validation, launc
     if launch.name == "spark":  # this process is the driver: Spark tasks are the ranks
         return fit_on_spark(launch, model, options, train, epochs, _parallel_listeners(listeners), validation,
                             use_gpu=training.backend == "gpu")
-    from dl4py.parallel import ParallelWrapper
-
     return ParallelWrapper(model, options=options).fit(train, epochs=epochs, listeners=_parallel_listeners(listeners),
                                                        validation=validation, verbose=0)
 
@@ -286,18 +346,6 @@ def _parallel_listeners(listeners: list) -> list:
 def _fit_early_stopping(model, config: RunConfig, train, validation, test, run_dir: Path, listeners: list):
     """Early stopping as ``training.early_stopping`` says, scored on the validation data when
     the run holds some out (else on the test set, as DL4J's examples do)."""
-    from dl4py.parallel import EarlyStoppingParallelTrainer
-    from dl4py.train.early_stopping import (
-        EarlyStoppingConfiguration,
-        EarlyStoppingTrainer,
-        InvalidScore,
-        LocalFileModelSaver,
-        MaxEpochs,
-        MaxTime,
-        ScoreImprovement,
-    )
-    from dl4py.train.early_stopping.calculators import calculator_for
-
     section, training = config.training.early_stopping, config.training
     held_out = validation if validation is not None else test
     if held_out is None:
@@ -324,8 +372,6 @@ def _fit_early_stopping(model, config: RunConfig, train, validation, test, run_d
 
 
 def _eval_fields(evaluation) -> dict:
-    from dl4py.eval import RegressionEvaluation
-
     if isinstance(evaluation, RegressionEvaluation):
         # Column averages, as DL4J's averageRSquared...; test_accuracy stays, null, for
         # readers (the CLI, sweeps) that ask every run for it.

@@ -27,7 +27,8 @@ from typing import Any, ClassVar, Literal, Optional
 from dl4py.config.frozen import unfrozen
 from dl4py.config.input_type import InputType, Recurrent
 from dl4py.config.layers import Activation, GradientNormalization, Layer, OutputLayer, Shape, WeightInit
-from dl4py.config.network import NetworkText
+from dl4py.config.network import NetworkConfig, NetworkText
+from dl4py.config.network_rules import check_network_defaults, check_sequence_rules, check_threshold
 from dl4py.config.schema import ConfigBase, TaggedConfig, dataclass_from_dict, join
 from dl4py.config.updaters import AdamW, Sgd, Updater
 from dl4py.errors import ConfigError
@@ -267,8 +268,6 @@ class GraphConfig(NetworkText, ConfigBase):
 
     # ---- validation and shape inference ------------------------------------------------
     def validate(self, where: str = "network") -> None:
-        from dl4py.config.network import _check_threshold, check_network_defaults
-
         if not self.inputs:
             raise ConfigError(join(where, "inputs"), "must name at least one input with its input type")
         if not self.vertices:
@@ -282,8 +281,8 @@ class GraphConfig(NetworkText, ConfigBase):
         self._check_outputs(where)
         for name, node in self.vertices.items():
             if node.layer is not None:
-                _check_threshold(getattr(node.layer, "gradient_normalization_threshold", None),
-                                 join(_layer_at(where, name), "gradient_normalization_threshold"))
+                check_threshold(getattr(node.layer, "gradient_normalization_threshold", None),
+                                join(_layer_at(where, name), "gradient_normalization_threshold"))
         if isinstance(self.updater, AdamW) and (
             self.l2 > 0 or any(getattr(layer, "l2", None) for layer in self.layers_as_written())
         ):
@@ -354,14 +353,12 @@ class GraphConfig(NetworkText, ConfigBase):
         return order
 
     def _layer_input(self, node: GraphNode, shape: Shape, where: str) -> Shape:
-        from dl4py.config.network import _check_sequence_rules
-
         layer = unfrozen(node.layer)
         if layer.type_name in ("dense", "output") and shape.kind == "cnn":
             shape = shape.flat()  # DL4J's CnnToFeedForwardPreProcessor, added as in a MultiLayerNetwork
         reads_input = node.inputs[0] in self.inputs
         # Embeddings read integer indices: only straight from an input (index 0 says so).
-        _check_sequence_rules(node.layer, 0 if reads_input else 1, shape, join(where, "layer"))
+        check_sequence_rules(node.layer, 0 if reads_input else 1, shape, join(where, "layer"))
         return shape
 
 
@@ -403,8 +400,6 @@ def example_shape(network) -> tuple:
 
 def network_from_dict(data: Any, where: str = "network"):
     """A run config's ``network``: a GraphConfig when it has ``vertices``, else a NetworkConfig."""
-    from dl4py.config.network import NetworkConfig
-
     if isinstance(data, dict) and "vertices" in data:
         for key in ("inputs", "outputs"):
             if key not in data:

@@ -23,11 +23,15 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import yaml
+
 from dl4py.config.frozen import unfrozen
-from dl4py.config.input_type import InputType
+from dl4py.config.input_type import Convolutional, ConvolutionalFlat, FeedForward, InputType, Recurrent
 from dl4py.config.layers import Activation, GradientNormalization, Layer, OutputLayer, Shape, WeightInit
+from dl4py.config.network_rules import check_network_defaults, check_sequence_rules, check_threshold
 from dl4py.config.schema import ConfigBase, dataclass_from_dict, join
 from dl4py.config.updaters import AdamW, Sgd, Updater
+from dl4py.config.yaml_loader import load_json, load_yaml
 from dl4py.errors import ConfigError
 
 
@@ -48,19 +52,13 @@ class NetworkText:
 
     @classmethod
     def from_json(cls, text: str):
-        from dl4py.config.yaml_loader import load_json
-
         return cls.from_dict(load_json(text))
 
     def to_yaml(self) -> str:
-        import yaml
-
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     @classmethod
     def from_yaml(cls, text: str):
-        from dl4py.config.yaml_loader import load_yaml
-
         return cls.from_dict(load_yaml(text))
 
     def replace(self, **changes):
@@ -107,7 +105,7 @@ class NetworkConfig(NetworkText, ConfigBase):
             raise ConfigError(join(where, "input_type"), "is required: n_in is inferred from it")
         check_network_defaults(self, where)
         for i, layer in enumerate(self.layers):
-            _check_threshold(
+            check_threshold(
                 getattr(layer, "gradient_normalization_threshold", None),
                 join(join(join(where, "layers"), i), "gradient_normalization_threshold"),
             )
@@ -140,30 +138,14 @@ class NetworkConfig(NetworkText, ConfigBase):
             at = join(join(where, "layers"), i)
             if unfrozen(layer).type_name in ("dense", "output") and current.kind == "cnn":
                 current = current.flat()  # DL4J's CnnToFeedForwardPreProcessor
-            _check_sequence_rules(layer, i, current, at)
+            check_sequence_rules(layer, i, current, at)
             out = layer.output_shape(current, at)
             shapes.append(LayerShapes(i, layer, current, out))
             current = out
         return shapes
 
 
-def check_network_defaults(config, where: str) -> None:
-    """The settings every layer inherits, as a NetworkConfig and a GraphConfig both have them."""
-    if config.l2 < 0:
-        raise ConfigError(join(where, "l2"), f"must be zero or more, got {config.l2}")
-    _check_threshold(config.gradient_normalization_threshold, join(where, "gradient_normalization_threshold"))
-
-
-def _check_threshold(threshold: float | None, where: str) -> None:
-    if threshold is not None and not threshold > 0:  # "not >": NaN is refused too
-        raise ConfigError(where, f"must be positive, got {threshold}")
-
-
 def _first_shape(input_type: InputType, first: Layer) -> Shape:
-    from dl4py.config.input_type import Convolutional, ConvolutionalFlat, FeedForward
-
-    from dl4py.config.input_type import Recurrent
-
     if isinstance(input_type, FeedForward):
         return Shape("ff", (input_type.size,))
     if isinstance(input_type, Recurrent):
@@ -173,23 +155,6 @@ def _first_shape(input_type: InputType, first: Layer) -> Shape:
         return cnn.flat()
     assert isinstance(input_type, (Convolutional, ConvolutionalFlat))
     return cnn
-
-
-def _check_sequence_rules(layer: Layer, index: int, shape: Shape, where: str) -> None:
-    """Sequences go only into layers that take them; embeddings take the network's input."""
-    from dl4py.config.recurrent import EmbeddingLayer, EmbeddingSequenceLayer
-
-    layer = unfrozen(layer)
-    if index > 0 and isinstance(layer, (EmbeddingLayer, EmbeddingSequenceLayer)):
-        raise ConfigError(where, f"{layer.type_name} takes integer indices from the network's input: it "
-                                 f"must be the first layer (it is layer {index})")
-    if shape.kind == "rnn" and not layer.takes_sequences:
-        raise ConfigError(
-            where,
-            f"{layer.type_name} cannot take recurrent input [time, size] (shape {shape}): "
-            "wrap the recurrent layer before it in last_time_step for one vector per sequence, "
-            "or end with rnn_output for one output per step",
-        )
 
 
 class NetworkConfigBuilder:

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dl4py.config.run import MNIST_EXAMPLES
 from dl4py.data.iterators import ArrayDataSetIterator, _positive_int
 from dl4py.errors import DataError, DataSizeError
 
@@ -41,9 +42,9 @@ _MIRRORS = (
     "https://storage.googleapis.com/cvdf-datasets/mnist/",
     "http://yann.lecun.com/exdb/mnist/",
 )
-# Examples per split of the files above (their SHA-256 fixes them): a config's limits are
-# checked against these before anything is read.
-EXAMPLES = {"train": 60_000, "test": 10_000}
+# Examples per split of the files above (their SHA-256 fixes them): config/run.py holds the
+# numbers, as it checks a config's limits against them before anything is read.
+EXAMPLES = MNIST_EXAMPLES
 _TIMEOUT_S = 30
 _IMAGES_MAGIC, _LABELS_MAGIC = 2051, 2049  # 0x0803: uint8, 3 dims; 0x0801: uint8, 1 dim
 _FIX = "Delete it and run again to re-download it, or replace it with a good copy"

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dl4py.config.run import NormalizerSection
 from dl4py.data.dataset import DataSet
 from dl4py.errors import DataError
 
@@ -138,6 +139,7 @@ class Normalizer:
         raise NotImplementedError
 
 
+@NormalizerSection.builds  # what a run config's data.normalizer section builds, by type name
 class NormalizerStandardize(Normalizer):
     """Zero mean, unit variance per feature: ``(x - mean) / std``, with the population std
     (DL4J's ``var(false)``) raised to at least 1e-5."""
@@ -166,6 +168,7 @@ class NormalizerStandardize(Normalizer):
         return self.mean, self.std, _scalar(0.0)
 
 
+@NormalizerSection.builds
 class NormalizerMinMaxScaler(Normalizer):
     """Each feature's training range mapped onto ``[min_range, max_range]`` (default [0, 1]):
     ``(x - min) / (max - min) * (max_range - min_range) + min_range``; a constant feature's
@@ -195,6 +198,7 @@ class NormalizerMinMaxScaler(Normalizer):
         return self.min, (self.max - self.min) / (self.max_range - self.min_range), _scalar(self.min_range)
 
 
+@NormalizerSection.builds
 class ImagePreProcessingScaler(Normalizer):
     """Pixel values ``[0, 2**max_bits - 1]`` mapped onto ``[min_range, max_range]`` (default
     8 bits onto [0, 1]): ``x / (2**max_bits - 1) * (max_range - min_range) + min_range``.

@@ -21,6 +21,7 @@ with the estimate on the same terms.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from dataclasses import dataclass
 
@@ -30,10 +31,14 @@ from torch.utils._pytree import tree_flatten
 
 from dl4py.train.step import make_train_step
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # a torch built without distributed: no DTensor can exist
-    DTensor = ()
+
+
+def is_dtensor(tensor) -> bool:
+    """Whether ``tensor`` is a DTensor (a rank's shard of a distributed parameter). One can
+    exist only once ``torch.distributed.tensor`` is loaded, which costs about a second: it is
+    asked only then, so a single-device run never loads it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -55,7 +60,7 @@ class LiveTensorBytes(TorchDispatchMode):
         self._update_peak("start")
 
     def _see(self, tensor: torch.Tensor) -> None:
-        if isinstance(tensor, DTensor):  # a rank holds its shard, not the whole
+        if is_dtensor(tensor):  # a rank holds its shard, not the whole
             tensor = tensor._local_tensor
         if tensor.device.type == "meta":
             return
@@ -131,7 +136,7 @@ def measure_training_step(model, features: torch.Tensor, labels: torch.Tensor, w
         step(features[:2], labels[:2])
     if mask is not None:
         model.set_mask(mask)
-    sharded = any(isinstance(p, DTensor) for p in model.module.parameters())
+    sharded = any(is_dtensor(p) for p in model.module.parameters())
     tracker = LiveTensorBytes(follow_resizes=sharded)
     resident = resident_tensors(model) + [features, labels] + ([] if mask is None else [mask])
     tracker.track(resident)

@@ -112,66 +112,91 @@ def forward(graph: StepGraph, n: int, sizes, t: Timeline) -> tuple[_Step, dict[i
     """Run the forward pass and the losses; return the step's state and the bytes each layer
     leaves saved for backward."""
     step = _Step(graph, n, sizes, t)
-    nodes, act = step.nodes, step.act
     releases = step.releases()
     saved_bytes: dict[int, int] = {}
     heads = {head.node for head in graph.losses}
-    readers_save = [False] * len(nodes)  # some recorded node saves this node's result
-    for k, node in enumerate(nodes):
-        if step.recorded[k] and node.op.saves_input:
-            for s in node.sources:
-                if s >= 0:
-                    readers_save[s] = True
-    for j, node in enumerate(nodes):
-        op, phase = node.op, step.phase("forward", j)
+    saved_by_a_reader = _saved_by_a_reader(step)
+    for j, node in enumerate(step.nodes):
         if not step.recorded[j]:  # as in inference (max pooling computes its indices anyway)
             _upcast_result(step, j, "forward")
-            extra = t.alloc("activations", op.saved_extra_bytes(n), phase)
+            extra = t.alloc("activations", node.op.saved_extra_bytes(n), step.phase("forward", j))
             t.free("activations", extra)
         else:
-            if sizes.autocast and op.autocast:  # 16-bit copies of its parameters, and of a float input
-                for elements, _ in _autocast_copies(step, j):
-                    t.alloc("activations", elements * act, phase)
-                copies = [step.input_bytes(s) for s in node.sources if s < 0]
-                for nbytes in copies:
-                    t.alloc("activations", nbytes, phase)
-                step.input_copies[j] = copies
-            result = _upcast_result(step, j, "forward")
-            if sizes.autocast and op.autocast and _upcasts(step, op):
-                # autocast's cache never saw these copies: what autograd did not save goes now
-                for elements, kept in _autocast_copies(step, j):
-                    if not kept:
-                        t.free("activations", elements * act)
-            extra = op.saved_extra_bytes(n)
-            t.alloc("activations", extra, phase)
-            keeps = []
-            if op.saves_result:
-                keeps.append(result.hold())
-            if op.saves_input:
-                keeps += [step.results[s].hold() for s in node.sources if s >= 0]
-            step.saved[j] = keeps
-            kept = op.saves_result or readers_save[j] or j in heads
-            own = 0 if node.view else t.size(step.result_bytes(j))
-            saved_bytes[op.layer] = saved_bytes.get(op.layer, 0) + own * kept + t.size(extra)
+            kept = _forward_recorded(step, j, saved_by_a_reader[j] or j in heads)
+            saved_bytes[node.op.layer] = saved_bytes.get(node.op.layer, 0) + kept
         for done in releases.get(j, ()):
             step.results[done].release()
     if sizes.autocast:  # leaving autocast frees the parameter copies autograd did not save
-        for j in range(len(nodes)):
-            if step.recorded[j] and not _upcasts(step, nodes[j].op):
-                for elements, kept in _autocast_copies(step, j):
-                    if not kept:
-                        t.free("activations", elements * act)
-    for head in graph.losses:
+        for j in range(len(step.nodes)):
+            if step.recorded[j] and not _upcasts(step, step.nodes[j].op):
+                _free_unsaved_copies(step, j)
+    for layer, loss in _forward_losses(step):
+        saved_bytes[layer] = saved_bytes.get(layer, 0) + loss
+    return step, saved_bytes
+
+
+def _saved_by_a_reader(step: _Step) -> list[bool]:
+    """node -> whether some recorded node saves its result (as its own input) for backward."""
+    saved = [False] * len(step.nodes)
+    for k, node in enumerate(step.nodes):
+        if step.recorded[k] and node.op.saves_input:
+            for s in node.sources:
+                if s >= 0:
+                    saved[s] = True
+    return saved
+
+
+def _forward_recorded(step: _Step, j: int, result_saved_elsewhere: bool) -> int:
+    """Node j's forward under autograd, which keeps what its backward needs. Returns the bytes
+    it leaves saved: its result's, if anything saves it, and its own extra."""
+    node, t, act = step.nodes[j], step.t, step.act
+    op, phase = node.op, step.phase("forward", j)
+    autocast = step.sizes.autocast and op.autocast
+    if autocast:  # 16-bit copies of its parameters, and of a float input
+        for elements, _ in _autocast_copies(step, j):
+            t.alloc("activations", elements * act, phase)
+        copies = [step.input_bytes(s) for s in node.sources if s < 0]
+        for nbytes in copies:
+            t.alloc("activations", nbytes, phase)
+        step.input_copies[j] = copies
+    result = _upcast_result(step, j, "forward")
+    if autocast and _upcasts(step, op):
+        # autocast's cache never saw these copies: what autograd did not save goes now
+        _free_unsaved_copies(step, j)
+    extra = op.saved_extra_bytes(step.n)
+    t.alloc("activations", extra, phase)
+    keeps = []
+    if op.saves_result:
+        keeps.append(result.hold())
+    if op.saves_input:
+        keeps += [step.results[s].hold() for s in node.sources if s >= 0]
+    step.saved[j] = keeps
+    kept = op.saves_result or result_saved_elsewhere
+    own = 0 if node.view else t.size(step.result_bytes(j))
+    return own * kept + t.size(extra)
+
+
+def _free_unsaved_copies(step: _Step, j: int) -> None:
+    """Free node j's 16-bit parameter copies that autograd did not save."""
+    for elements, kept in _autocast_copies(step, j):
+        if not kept:
+            step.t.free("activations", elements * step.act)
+
+
+def _forward_losses(step: _Step) -> list[tuple[int, int]]:
+    """The losses' forward; returns (layer, bytes kept for backward) of each output layer."""
+    n, t, act = step.n, step.t, step.act
+    kept = []
+    for head in step.graph.losses:
         # The loss: a float32 copy of 16-bit scores, the log-softmax (kept for backward).
         loss = n * head.classes * _loss_bytes_per_score(act)
         t.alloc("activations", loss, "forward, loss")
-        layer = nodes[head.node].op.layer
-        saved_bytes[layer] = saved_bytes.get(layer, 0) + loss
-    for head in graph.losses:
+        kept.append((step.nodes[head.node].op.layer, loss))
+    for head in step.graph.losses:
         # ``loss_fn(module(x), y)``: nothing holds the scores once the loss is computed
         # (the log-softmax keeps its result), unless an operator saved them.
         step.results[head.node].release()
-    return step, saved_bytes
+    return kept
 
 
 def _upcasts(step: _Step, op) -> bool:
@@ -235,9 +260,23 @@ def _autocast_copies(step: _Step, j: int) -> list[tuple[int, bool]]:
 
 def backward(step: _Step, in_place_accumulation: bool = True) -> None:
     """Run the backward pass: the losses' gradients, then each recorded node in reverse."""
-    n, sizes, t, act, nodes = step.n, step.sizes, step.t, step.act, step.nodes
     # node -> the gradient waiting for it (the engine's InputBuffer), and whether it is whole (not a slice)
     buffers: dict[int, tuple[_Tensor, bool]] = {}
+    for node, grad in _loss_gradients(step):
+        _deliver(step, buffers, node, grad, True, in_place_accumulation)
+    for j in range(len(step.nodes) - 1, -1, -1):
+        if not step.recorded[j] or j not in buffers:
+            continue
+        grad_out, _ = buffers.pop(j)
+        for s, grad, whole in _backward_node(step, j, grad_out):
+            _deliver(step, buffers, s, grad, whole, in_place_accumulation)
+    for grad, _ in buffers.values():  # gradients no recorded node consumes (none in a trained graph)
+        grad.release()
+
+
+def _loss_gradients(step: _Step):
+    """The losses' backward, last loss first: yields (node, the gradient of its scores) as each is made."""
+    n, t, act = step.n, step.t, step.act
     for head in reversed(step.graph.losses):
         # The gradient of the log-softmax (float32); of 16-bit scores' float32 copy; then of
         # the scores (the log-softmax's backward makes it, or the cast's).
@@ -246,61 +285,74 @@ def backward(step: _Step, in_place_accumulation: bool = True) -> None:
         grad = _Tensor(t, "workspace", n * head.classes * act, "backward, loss")
         t.free("workspace", float_grads)
         t.free("activations", n * head.classes * _loss_bytes_per_score(act))
-        _deliver(step, buffers, head.node, grad, True, in_place_accumulation)
-    for j in range(len(nodes) - 1, -1, -1):
-        if not step.recorded[j] or j not in buffers:
+        yield head.node, grad
+
+
+def _backward_node(step: _Step, j: int, grad_out: _Tensor) -> list[tuple[int, _Tensor, bool]]:
+    """Node j's backward, consuming ``grad_out``: its kernel's scratch, its parameters'
+    gradients, and the gradients of its inputs, returned as (source, gradient, whole)."""
+    n, sizes, t, act = step.n, step.sizes, step.t, step.act
+    node = step.nodes[j]
+    op, phase = node.op, step.phase("backward", j)
+    if op.stepwise_backward:  # each step's saved values are gone before the gradients are whole
+        t.free("activations", op.saved_extra_bytes(n))
+    _upcast_input_gradient(step, j, phase)
+    grads, unneeded = _input_gradients(step, j, grad_out, phase)
+    scratch = t.alloc("workspace", unneeded + n * (node.scratch_elements * act + node.scratch_bytes
+                                                   + op.backward_scratch_elements * act
+                                                   + op.backward_scratch_bytes), phase)
+    wide_grads = _upcast_parameter_gradients(step, j, phase)
+    cast = sizes.autocast and op.autocast and op.params and not op.frozen
+    # The parameters' gradients: under autocast, first in 16 bits (for the cast copy).
+    if cast:
+        for elements, _ in op.params:
+            t.alloc("workspace", elements * act, phase)
+    elif not op.frozen:
+        t.alloc("gradients", op.param_elements * sizes.param, phase)
+    t.free("workspace", scratch)  # its kernel returned them with the parameters' gradients
+    t.free("workspace", wide_grads)  # and the float32 sums are rounded
+    _node_done(step, j, grad_out)
+    if cast:  # the cast's backward: each parameter's float32 gradient, one after the other
+        for elements, _ in op.params:
+            t.alloc("gradients", elements * sizes.param, phase)
+            t.free("workspace", elements * act)
+    return grads
+
+
+def _input_gradients(step: _Step, j: int, grad_out: _Tensor, phase: str) -> tuple[list, float]:
+    """The gradients of node j's inputs (neither the batch nor a result that needs none gets
+    one): (source, gradient, whole) each, and the bytes of a fused kernel's input gradients
+    that nothing needs, dropped at once."""
+    node, op = step.nodes[j], step.nodes[j].op
+    grads = []
+    unneeded = 0.0
+    for i, s in enumerate(node.sources):
+        if s < 0 or not step.recorded[s]:
+            if op.fused_backward:
+                unneeded += step.input_bytes(s) if s < 0 else step.result_bytes(s)
             continue
-        node, op, phase = nodes[j], nodes[j].op, step.phase("backward", j)
-        grad_out, _ = buffers.pop(j)
-        # The gradients of its inputs (neither the batch nor a result that needs none gets one).
-        if op.stepwise_backward:  # each step's saved values are gone before the gradients are whole
-            t.free("activations", op.saved_extra_bytes(n))
-        _upcast_input_gradient(step, j, phase)
-        grads = []
-        unneeded = 0.0  # a fused kernel's input gradients that nothing needs, dropped at once
-        for i, s in enumerate(node.sources):
-            if s < 0 or not step.recorded[s]:
-                if op.fused_backward:
-                    unneeded += step.input_bytes(s) if s < 0 else step.result_bytes(s)
-                continue
-            kind = node.gradient(i)
-            if kind == "new":
-                grads.append((s, _Tensor(t, "workspace", step.result_bytes(s), phase), True))
-            else:
-                grads.append((s, grad_out.hold(), kind == "same"))
-        scratch = t.alloc("workspace", unneeded + n * (node.scratch_elements * act + node.scratch_bytes
-                                                       + op.backward_scratch_elements * act
-                                                       + op.backward_scratch_bytes), phase)
-        wide_grads = _upcast_parameter_gradients(step, j, phase)
-        cast = sizes.autocast and op.autocast and op.params and not op.frozen
-        # The parameters' gradients: under autocast, first in 16 bits (for the cast copy).
-        if cast:
-            for elements, _ in op.params:
-                t.alloc("workspace", elements * act, phase)
-        elif not op.frozen:
-            t.alloc("gradients", op.param_elements * sizes.param, phase)
-        t.free("workspace", scratch)  # its kernel returned them with the parameters' gradients
-        t.free("workspace", wide_grads)  # and the float32 sums are rounded
-        # The node is done: it frees the gradient it consumed, and what it saved.
-        grad_out.release()
-        if not op.stepwise_backward:
-            t.free("activations", op.saved_extra_bytes(n))
-        for tensor in step.saved.pop(j, ()):
-            tensor.release()
-        if sizes.autocast and op.autocast:
-            for elements, kept in _autocast_copies(step, j):  # its 16-bit parameter copies
-                if kept:
-                    t.free("activations", elements * act)
-            for nbytes in step.input_copies.pop(j, ()):  # and of a float input
-                t.free("activations", nbytes)
-        if cast:  # the cast's backward: each parameter's float32 gradient, one after the other
-            for elements, _ in op.params:
-                t.alloc("gradients", elements * sizes.param, phase)
-                t.free("workspace", elements * act)
-        for s, grad, whole in grads:
-            _deliver(step, buffers, s, grad, whole, in_place_accumulation)
-    for grad, _ in buffers.values():  # gradients no recorded node consumes (none in a trained graph)
-        grad.release()
+        kind = node.gradient(i)
+        if kind == "new":
+            grads.append((s, _Tensor(step.t, "workspace", step.result_bytes(s), phase), True))
+        else:
+            grads.append((s, grad_out.hold(), kind == "same"))
+    return grads, unneeded
+
+
+def _node_done(step: _Step, j: int, grad_out: _Tensor) -> None:
+    """Node j's backward is done: it frees the gradient it consumed, and what it saved."""
+    t, op = step.t, step.nodes[j].op
+    grad_out.release()
+    if not op.stepwise_backward:
+        t.free("activations", op.saved_extra_bytes(step.n))
+    for tensor in step.saved.pop(j, ()):
+        tensor.release()
+    if step.sizes.autocast and op.autocast:
+        for elements, kept in _autocast_copies(step, j):  # its 16-bit parameter copies
+            if kept:
+                t.free("activations", elements * step.act)
+        for nbytes in step.input_copies.pop(j, ()):  # and of a float input
+            t.free("activations", nbytes)
 
 
 def _upcast_input_gradient(step: _Step, j: int, phase: str) -> float:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dl4py.memory.capacity import DeviceMemory
-from dl4py.memory.estimate import MemoryReport
+from dl4py.memory.step_report import MemoryReport
 
 
 def mib(nbytes: float) -> str:
@@ -29,26 +29,46 @@ def verdict(report: MemoryReport, memory: DeviceMemory | None, largest_batch: in
 
 
 def format_report(report: MemoryReport, answer: dict) -> str:
-    mode = "training step" if report.training else "inference"
+    """The report as text: what was estimated, the layers, the totals, then ``answer`` (``verdict``'s)."""
+    lines = _heading(report) + _layer_table(report) + [""] + _totals(report)
+    if report.batch_size > report.max_batch_by_elements:
+        lines.append(f"warning: at batch {report.batch_size:,} a tensor has 2**31 elements or more, which CUDA "
+                     f"kernels cannot index (RuntimeError); at most {report.max_batch_by_elements:,}")
+    if answer:
+        lines += [""] + _answer_lines(report, answer)
+    return "\n".join(lines)
+
+
+def _heading(report: MemoryReport) -> list[str]:
     update = f", {report.optimizer} update" if report.training else ""
-    lines = [f"Memory of one {mode}: batch {report.batch_size:,}, precision {report.precision}, "
-             f"updater {report.updater}{update}, on {report.device_type}", ""]
     if report.parallelism == "sharded":
-        lines[0] = (f"Memory of one rank of {report.workers:,} in a sharded training step (FSDP2): batch "
-                    f"{report.batch_size:,} per rank, precision {report.precision}, updater {report.updater}"
-                    f"{update}, on {report.device_type}")
-        lines.insert(1, "Parameters, gradients and updater state are 1/N per rank; one layer (or row block) "
-                        "at a time is gathered whole. The table shows whole layers.")
+        return [f"Memory of one rank of {report.workers:,} in a sharded training step (FSDP2): batch "
+                f"{report.batch_size:,} per rank, precision {report.precision}, updater {report.updater}"
+                f"{update}, on {report.device_type}",
+                "Parameters, gradients and updater state are 1/N per rank; one layer (or row block) "
+                "at a time is gathered whole. The table shows whole layers.", ""]
+    mode = "training step" if report.training else "inference"
+    return [f"Memory of one {mode}: batch {report.batch_size:,}, precision {report.precision}, "
+            f"updater {report.updater}{update}, on {report.device_type}", ""]
+
+
+def _layer_table(report: MemoryReport) -> list[str]:
+    """A row per layer, with a rule under the column names."""
     rows = [("#", "layer", "output", "params", "param bytes", "saved for backward")]
     for row in report.layers:
         rows.append((str(row.index), row.type_name, row.output_shape, f"{row.parameters:,}",
                      mib(row.parameter_bytes), mib(row.activation_bytes) if report.training else "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
     for n, r in enumerate(rows):
         lines.append("  ".join(c.ljust(w) if i in (1, 2) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
         if n == 0:
             lines.append("-" * len(lines[-1]))
-    lines.append("")
+    return lines
+
+
+def _totals(report: MemoryReport) -> list[str]:
+    """The step's bytes by kind, its peak, the fixed costs and the total, names aligned."""
     masters = ", float32 masters included" if report.training and report.precision in ("half", "bfloat16") else ""
     parts = [("parameters", f"{report.parameters:,} ({mib(report.parameter_bytes)}{masters})")]
     if report.training:
@@ -65,30 +85,32 @@ def format_report(report: MemoryReport, answer: dict) -> str:
         parts.append((name.replace("_", " "), mib(n)))
     parts.append(("total", mib(report.total_bytes)))
     width = max(len(name) for name, _ in parts)
-    lines += [f"{name.ljust(width)}  {value}" for name, value in parts]
-    if report.batch_size > report.max_batch_by_elements:
-        lines.append(f"warning: at batch {report.batch_size:,} a tensor has 2**31 elements or more, which CUDA "
-                     f"kernels cannot index (RuntimeError); at most {report.max_batch_by_elements:,}")
-    if answer:
-        lines.append("")
-        lines.append(f"device memory: {answer['device_memory_source']}")
-        share = answer["needed_bytes"] / answer["device_memory"]
-        word = "FITS" if answer["fits"] else "DOES NOT FIT"
-        each = " per device" if report.parallelism == "sharded" else ""
-        lines.append(f"{word}: needs {mib(answer['needed_bytes'])}{each} of {mib(answer['device_memory'])} "
-                     f"({share:.1%})")
-        if "sharded_plan" in answer:
-            plan = answer["sharded_plan"]
-            lines.append(
-                f"does not fit one {mib(answer['device_memory'])} device; sharded over {plan['workers']:,} devices: "
-                f"{mib(plan['needed_bytes_per_device'])} per device (training.parallelism: sharded, "
-                f"training.workers: {plan['workers']}; each on a batch of {report.batch_size:,})" if plan else
-                f"does not fit one {mib(answer['device_memory'])} device, nor sharded over any number at batch "
+    return [f"{name.ljust(width)}  {value}" for name, value in parts]
+
+
+def _answer_lines(report: MemoryReport, answer: dict) -> list[str]:
+    """Whether the step fits the device memory, the sharded plan if it does not, and the largest batch."""
+    share = answer["needed_bytes"] / answer["device_memory"]
+    word = "FITS" if answer["fits"] else "DOES NOT FIT"
+    each = " per device" if report.parallelism == "sharded" else ""
+    lines = [f"device memory: {answer['device_memory_source']}",
+             f"{word}: needs {mib(answer['needed_bytes'])}{each} of {mib(answer['device_memory'])} ({share:.1%})"]
+    if "sharded_plan" in answer:
+        lines.append(_sharded_plan_line(report, answer))
+    largest = answer["largest_batch_size"]
+    if largest is not None:
+        at_limit = answer["largest_batch_is_element_limit"]
+        bound = " (no larger: a tensor would reach 2**31 elements)" if at_limit else ""
+        lines.append(f"largest batch size that fits: {largest:,}{bound}" if largest else
+                     "not even a batch of 1 fits")
+    return lines
+
+
+def _sharded_plan_line(report: MemoryReport, answer: dict) -> str:
+    plan = answer["sharded_plan"]
+    if not plan:
+        return (f"does not fit one {mib(answer['device_memory'])} device, nor sharded over any number at batch "
                 f"{report.batch_size:,}: a rank's own activations do not fit; lower the batch size")
-        largest = answer["largest_batch_size"]
-        if largest is not None:
-            at_limit = answer["largest_batch_is_element_limit"]
-            bound = " (no larger: a tensor would reach 2**31 elements)" if at_limit else ""
-            lines.append(f"largest batch size that fits: {largest:,}{bound}" if largest else
-                         "not even a batch of 1 fits")
-    return "\n".join(lines)
+    return (f"does not fit one {mib(answer['device_memory'])} device; sharded over {plan['workers']:,} devices: "
+            f"{mib(plan['needed_bytes_per_device'])} per device (training.parallelism: sharded, "
+            f"training.workers: {plan['workers']}; each on a batch of {report.batch_size:,})")

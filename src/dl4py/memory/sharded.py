@@ -45,19 +45,17 @@ from dl4py.backend.precision import resolve_precision
 from dl4py.config.graph import GraphConfig
 from dl4py.errors import ConfigError
 from dl4py.memory import replay
-from dl4py.memory.estimate import (
-    _ALLOCATOR_GRANULE,
-    CUDA_CONTEXT_BYTES,
-    MAX_TENSOR_ELEMENTS,
-    MemoryReport,
-    _buffer_bytes,
-    _cublas_workspace,
-    _largest_tensor_per_example,
-    _layer_rows,
-    _network,
-    _Sizes,
+from dl4py.memory.step_graph import StepGraph, chain_graph
+from dl4py.memory.step_report import MemoryReport, replayed_fields
+from dl4py.memory.step_sizes import (
+    StepSizes,
+    allocator_granule,
+    buffer_bytes,
+    check_batch_size,
+    hold_at_start,
+    kernels_for,
+    network_of,
 )
-from dl4py.memory.step_graph import chain_graph
 from dl4py.memory.timeline import Timeline
 from dl4py.memory.updater_memory import update_temporaries
 from dl4py.nn.builder import build_module
@@ -69,6 +67,8 @@ from dl4py.parallel.sharding import row_blocks
 # reduce-scatter input) and in a forward (two all-gather outputs and the unsharded parameters).
 GATHERED_UNITS_TRAINING = 4
 GATHERED_UNITS_FORWARD = 3
+# The update's kernel: foreach's temporaries span every shard; fused has no DTensor rule.
+SHARD_UPDATE = "loop"
 
 
 @dataclass(frozen=True)
@@ -288,15 +288,44 @@ def estimate_sharded(config, batch_size: int, workers: int, precision: str | Non
         report = estimate(mlp, 128, parallelism="sharded", workers=2)
         print(report.peak_bytes / 2**20, "MiB per rank")
     """
-    network, run_precision = _network(config)
+    network, run_precision = network_of(config)
+    _check_shardable(network, workers)
+    check_batch_size(batch_size)
+    policy = resolve_precision(precision or run_precision or "float")
+    units = _modelled_units(network, policy)
+    device_type = torch.device(device).type
+    updater = updater or network.updater
+    _check_optimizer(optimizer)
+    graph = chain_graph(network, kernels_for(device_type))
+    sizes = StepSizes(policy, graph, device_type)
+    timeline = ShardedTimeline(allocator_granule(device_type), units, graph.names, workers, batch_size, sizes,
+                               as_measured)
+    shard = sum(unit.shard_elements(workers) for unit in units)
+    module_bytes = shard * sizes.param + buffer_bytes(graph.ops, sizes.param)  # buffers are not sharded
+    state_bytes = updater.state_copies * shard * sizes.state
+    input_bytes = hold_at_start(timeline, module_bytes, state_bytes, data_bytes, sizes.batch_bytes(batch_size))
+    saved = _replay_forward_and_backward(graph, batch_size, sizes, timeline, as_measured)
+    _replay_shard_update(units, workers, updater, sizes, timeline)
+    return MemoryReport(
+        batch_size=batch_size, precision=policy.name, updater=type(updater).__name__, training=True,
+        optimizer=SHARD_UPDATE, parameters=sum(u.elements for u in units), parameter_bytes=module_bytes,
+        gradient_bytes=shard * sizes.state, updater_bytes=state_bytes, activation_bytes=sum(saved.values()),
+        input_bytes=input_bytes, **replayed_fields(network, graph.ops, saved, sizes, timeline, device_type),
+        workers=workers, parallelism="sharded", gathered_unit_bytes=max(timeline.gathered(u) for u in units),
+    )
+
+
+def _check_shardable(network, workers) -> None:
     if isinstance(network, GraphConfig):
         raise ConfigError("parallelism", "the sharded memory estimate covers MultiLayerNetwork configs; "
                                          "a ComputationGraph's is not modelled yet")
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 2:
         raise ConfigError("workers", f"sharding needs 2 or more workers, got {workers!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-        raise ConfigError("batch_size", f"must be a positive whole number, got {batch_size!r}")
-    policy = resolve_precision(precision or run_precision or "float")
+
+
+def _modelled_units(network, policy) -> list[Unit]:
+    """The units ``network`` is sharded in, where this estimate has rules for them: float or
+    double parameters, and no frozen layer."""
     if policy.master_weights or policy.autocast_dtype is not None:
         raise ConfigError("precision", f"the sharded memory estimate covers float and double; {policy.name} "
                                        "(16-bit gathers, float32 master shards) is not modelled yet")
@@ -305,46 +334,32 @@ def estimate_sharded(config, batch_size: int, workers: int, precision: str | Non
     if frozen:
         raise ConfigError("network.layers", f"the sharded memory estimate has no rule for frozen layers "
                                             f"({', '.join(frozen)})")
-    device_type = torch.device(device).type
-    updater = updater or network.updater
-    if optimizer not in ("auto", "loop"):
+    return units
+
+
+def _check_optimizer(optimizer: str) -> None:
+    if optimizer not in ("auto", SHARD_UPDATE):
         raise ConfigError("optimizer", f"sharded training steps its shards with the for-loop kernel "
                                        f"(shard_replica), not {optimizer!r}")
-    implementation = "loop"  # foreach's temporaries span every shard; fused has no DTensor rule
-    graph = chain_graph(network, "cpu" if device_type == "cpu" else "cuda")
-    sizes = _Sizes(policy, graph, device_type)
-    n = batch_size
-    timeline = ShardedTimeline(_ALLOCATOR_GRANULE if device_type == "cuda" else 1, units, graph.names,
-                               workers, n, sizes, as_measured)
 
-    shard = sum(unit.shard_elements(workers) for unit in units)
-    module_bytes = shard * sizes.param + _buffer_bytes(graph.ops, sizes.param)  # buffers are not sharded
-    state_bytes = updater.state_copies * shard * sizes.state
-    timeline.alloc("parameters", module_bytes, "start")
-    timeline.alloc("updater_state", state_bytes, "start")
-    timeline.alloc("input", data_bytes, "start")
-    input_bytes = timeline.alloc("input", n * sizes.example_bytes + n * sizes.label_bytes, "start")
-    step, saved = replay.forward(graph, n, sizes, timeline)
+
+def _replay_forward_and_backward(graph: StepGraph, batch_size: int, sizes: StepSizes, timeline: ShardedTimeline,
+                                 as_measured: bool) -> dict[int, int]:
+    """The rank's forward and backward on its own batch, the timeline adding the gathers and
+    reduce-scatters; returns the bytes each layer saves for backward."""
+    step, saved = replay.forward(graph, batch_size, sizes, timeline)
     replay.backward(step, in_place_accumulation=not as_measured)
     timeline.end_backward()
-    shards = [(-(-shape[0] // workers) * math.prod(shape[1:]), l2) for unit in units for shape, l2 in unit.tensors]
-    scratch = update_temporaries(updater, implementation, shards, sizes.state)
-    timeline.alloc("workspace", scratch, f"update ({type(updater).__name__}, {implementation}, shards)")
-    timeline.free("workspace", scratch)
+    return saved
 
-    fixed = {}
-    if device_type == "cuda":
-        fixed = {"cuda_context": CUDA_CONTEXT_BYTES, "cublas_workspace": _cublas_workspace()}
-    return MemoryReport(
-        batch_size=n, precision=policy.name, updater=type(updater).__name__, training=True,
-        device_type=device_type, optimizer=implementation, parameters=sum(u.elements for u in units),
-        parameter_bytes=module_bytes, gradient_bytes=shard * sizes.state, updater_bytes=state_bytes,
-        activation_bytes=sum(saved.values()), input_bytes=input_bytes, peak_bytes=timeline.peak,
-        peak_phase=timeline.peak_phase, at_peak=timeline.peak_live,
-        max_batch_by_elements=MAX_TENSOR_ELEMENTS // _largest_tensor_per_example(graph.ops, sizes),
-        fixed=fixed, layers=_layer_rows(network, graph.ops, saved, sizes), workers=workers,
-        parallelism="sharded", gathered_unit_bytes=max(timeline.gathered(u) for u in units),
-    )
+
+def _replay_shard_update(units: list[Unit], workers: int, updater, sizes: StepSizes,
+                         timeline: ShardedTimeline) -> None:
+    """The update's scratch: the for-loop kernel steps rank 0's shard of each tensor, one at a time."""
+    shards = [(-(-shape[0] // workers) * math.prod(shape[1:]), l2) for unit in units for shape, l2 in unit.tensors]
+    scratch = update_temporaries(updater, SHARD_UPDATE, shards, sizes.state)
+    timeline.alloc("workspace", scratch, f"update ({type(updater).__name__}, {SHARD_UPDATE}, shards)")
+    timeline.free("workspace", scratch)
 
 
 def fewest_workers(config, batch_size: int, memory_bytes: int, context: bool | int = True, limit: int = 4096,

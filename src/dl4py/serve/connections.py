@@ -151,95 +151,113 @@ def guarded_protocol(limits: ConnectionLimits):
     import h11  # optional: h11 (extra serve, through uvicorn)
     from uvicorn.protocols.http.h11_impl import H11Protocol  # optional: uvicorn (extra serve)
 
-    warned = [-math.inf]  # when a refusal was last logged: a flood gets a line every so often
-
-    class GuardedH11Protocol(H11Protocol):
+    class GuardedH11Protocol(_ConnectionGuard, H11Protocol):
+        _limits = limits
+        _idle = h11.IDLE
+        _refusal_warning = _ThrottledWarning()  # one per server: a flood gets a line every so often
         HEADERS_TOO_LARGE = (f"the request's line and headers are over {limits.max_header_bytes} bytes, the most "
                              "this server reads (max_header_bytes)")
 
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)  # counted in self.connections from here
-            self._timer = None
-            self._refused = False
-            open_now = len(self.connections)
-            if open_now > limits.max_connections:
-                self._warn(open_now)
-                self._refuse(503, f"the server is serving its most connections, {limits.max_connections} "
-                                  "(max_connections); retry later", retry_after=1, linger=False)
-            else:
-                self._start_header_clock()
-
-        def data_received(self, data: bytes) -> None:
-            if self._refused:
-                return  # answered already: what the client still sends is dropped
-            if self.conn.their_state is h11.IDLE and self._headers_over_limit(data):
-                self._refuse(431, self.HEADERS_TOO_LARGE)
-                return
-            super().data_received(data)
-            if self._refused or self.transport.is_closing():
-                return
-            if self.conn.their_state is h11.IDLE:
-                self._start_header_clock()  # part of a request: its headers have their deadline
-            else:
-                self._stop_clock()  # a whole request's headers came
-
-        def connection_lost(self, exc) -> None:
-            self._stop_clock()
-            super().connection_lost(exc)
-
-        def send_400_response(self, msg: str) -> None:
-            # h11 refused what came (uvicorn logs "Invalid HTTP request received."): say why, as JSON.
-            # Headers over the limit are refused before h11 sees them, except those of a request
-            # sent before the previous one was answered.
-            if len(self.conn.trailing_data[0]) > limits.max_header_bytes:
-                self._refuse(431, self.HEADERS_TOO_LARGE)
-            else:
-                self._refuse(400, "the request is not valid HTTP/1.1 (its request line or headers are malformed)")
-
-        def _headers_over_limit(self, data: bytes) -> bool:
-            pending = self.conn.trailing_data[0] + data
-            end = _HEADER_END.search(pending, 0, limits.max_header_bytes + 4)
-            return (end.end() if end else len(pending)) > limits.max_header_bytes
-
-        def _start_header_clock(self) -> None:
-            if self._timer is None:
-                self._timer = self.loop.call_later(limits.header_timeout, self._headers_late)
-
-        def _stop_clock(self) -> None:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-
-        def _headers_late(self) -> None:
-            self._timer = None
-            if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
-                return
-            if self.conn.trailing_data[0]:  # part of a request came: tell its client why
-                self._refuse(408, f"the request's line and headers did not all arrive within "
-                                  f"{limits.header_timeout:g} s (header_timeout)")
-            else:  # nothing came: a connection opened and left idle
-                self.transport.close()
-
-        def _refuse(self, status: int, message: str, retry_after: int | None = None, linger: bool = True) -> None:
-            self._stop_clock()
-            self._refused = True
-            self.transport.write(answer_bytes(status, message, retry_after))
-            if not linger or not self.transport.can_write_eof():
-                self.transport.close()  # once the answer is written
-                return
-            try:
-                self.transport.write_eof()  # the answer, then the end; the client's close ends the rest
-            except OSError:  # the client is gone already (it connected and closed at once)
-                self.transport.abort()
-                return
-            self._timer = self.loop.call_later(LINGER_SECONDS, self.transport.abort)
-
-        def _warn(self, open_now: int) -> None:
-            now = time.monotonic()
-            if now - warned[0] >= WARN_EVERY_SECONDS:
-                warned[0] = now
-                log.warning("dl4py serve: %d connections open, more than max_connections %d: refusing new ones "
-                            "with 503 (logged at most every %g s)", open_now, limits.max_connections,
-                            WARN_EVERY_SECONDS)
-
     return GuardedH11Protocol
+
+
+class _ThrottledWarning:
+    """The warning that new connections are refused, logged at most every WARN_EVERY_SECONDS."""
+
+    def __init__(self) -> None:
+        self._last = -math.inf
+
+    def warn(self, open_now: int, max_connections: int) -> None:
+        now = time.monotonic()
+        if now - self._last >= WARN_EVERY_SECONDS:
+            self._last = now
+            log.warning("dl4py serve: %d connections open, more than max_connections %d: refusing new ones "
+                        "with 503 (logged at most every %g s)", open_now, max_connections, WARN_EVERY_SECONDS)
+
+
+class _DeadlinesAndRefusals:
+    """A guarded connection's one timer (its headers' deadline, then the linger after a
+    refusal) and its refusals: a JSON answer, then the end of the connection."""
+
+    def _start_header_clock(self) -> None:
+        if self._timer is None:
+            self._timer = self.loop.call_later(self._limits.header_timeout, self._headers_late)
+
+    def _stop_clock(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _headers_late(self) -> None:
+        self._timer = None
+        if self.transport.is_closing() or self.conn.their_state is not self._idle:
+            return
+        if self.conn.trailing_data[0]:  # part of a request came: tell its client why
+            self._refuse(408, f"the request's line and headers did not all arrive within "
+                              f"{self._limits.header_timeout:g} s (header_timeout)")
+        else:  # nothing came: a connection opened and left idle
+            self.transport.close()
+
+    def _refuse(self, status: int, message: str, retry_after: int | None = None, linger: bool = True) -> None:
+        self._stop_clock()
+        self._refused = True
+        self.transport.write(answer_bytes(status, message, retry_after))
+        if not linger or not self.transport.can_write_eof():
+            self.transport.close()  # once the answer is written
+            return
+        try:
+            self.transport.write_eof()  # the answer, then the end; the client's close ends the rest
+        except OSError:  # the client is gone already (it connected and closed at once)
+            self.transport.abort()
+            return
+        self._timer = self.loop.call_later(LINGER_SECONDS, self.transport.abort)
+
+
+class _ConnectionGuard(_DeadlinesAndRefusals):
+    """The bounds on one connection, mixed in before uvicorn's H11Protocol (which ``super()``
+    reaches). ``guarded_protocol`` sets ``_limits``, ``_idle`` (h11.IDLE, so that h11 stays an
+    optional import), ``_refusal_warning`` and ``HEADERS_TOO_LARGE``."""
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)  # counted in self.connections from here
+        self._timer = None
+        self._refused = False
+        open_now = len(self.connections)
+        if open_now > self._limits.max_connections:
+            self._refusal_warning.warn(open_now, self._limits.max_connections)
+            self._refuse(503, f"the server is serving its most connections, {self._limits.max_connections} "
+                              "(max_connections); retry later", retry_after=1, linger=False)
+        else:
+            self._start_header_clock()
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # answered already: what the client still sends is dropped
+        if self.conn.their_state is self._idle and self._headers_over_limit(data):
+            self._refuse(431, self.HEADERS_TOO_LARGE)
+            return
+        super().data_received(data)
+        if self._refused or self.transport.is_closing():
+            return
+        if self.conn.their_state is self._idle:
+            self._start_header_clock()  # part of a request: its headers have their deadline
+        else:
+            self._stop_clock()  # a whole request's headers came
+
+    def connection_lost(self, exc) -> None:
+        self._stop_clock()
+        super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        # h11 refused what came (uvicorn logs "Invalid HTTP request received."): say why, as JSON.
+        # Headers over the limit are refused before h11 sees them, except those of a request
+        # sent before the previous one was answered.
+        if len(self.conn.trailing_data[0]) > self._limits.max_header_bytes:
+            self._refuse(431, self.HEADERS_TOO_LARGE)
+        else:
+            self._refuse(400, "the request is not valid HTTP/1.1 (its request line or headers are malformed)")
+
+    def _headers_over_limit(self, data: bytes) -> bool:
+        pending = self.conn.trailing_data[0] + data
+        end = _HEADER_END.search(pending, 0, self._limits.max_header_bytes + 4)
+        return (end.end() if end else len(pending)) > self._limits.max_header_bytes

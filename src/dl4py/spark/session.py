@@ -15,6 +15,8 @@ import re
 import shutil
 import sys
 
+from pyspark.sql import SparkSession
+
 from dl4py.errors import BackendError, ConfigError
 
 _LOCAL = re.compile(r"^local(?:\[(\*|\d+)(?:,\s*\d+)?\])?$")
@@ -50,8 +52,6 @@ def spark_session(master: str | None = None, *, workers: int = 2, app_name: str 
     new one on ``master`` (default ``local[workers]``), stopped on leaving when it is new.
 
     ``conf``: extra Spark settings for a new session (e.g. ``spark.task.resource.gpu.amount``)."""
-    from pyspark.sql import SparkSession
-
     active = SparkSession.getActiveSession()
     if active is not None:
         running = active.sparkContext.master

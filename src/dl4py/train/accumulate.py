@@ -20,15 +20,8 @@ from typing import Callable
 
 import torch
 
-from dl4py.errors import ConfigError
-
-
-def checked_batches(value, where: str) -> int:
-    """``value`` as a number of batches per update, or a ConfigError naming ``where``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(where, f"must be a positive integer (batches whose gradients make one update), "
-                                 f"got {value!r}")
-    return value
+# Model.fit checks its accumulate_batches by the run config's rule (accumulate.checked_batches).
+from dl4py.config.run import checked_batches  # noqa: F401
 
 
 class AccumulatingStep:

@@ -7,11 +7,17 @@ from dataclasses import dataclass, field
 from dl4py.errors import ConfigError
 from dl4py.train.early_stopping.calculators import ScoreCalculator
 from dl4py.train.early_stopping.conditions import EpochTerminationCondition, IterationTerminationCondition, MaxEpochs
-from dl4py.train.early_stopping.savers import InMemoryModelSaver
 
 EPOCH_CONDITION = "EpochTerminationCondition"
 ITERATION_CONDITION = "IterationTerminationCondition"
 ERROR = "Error"
+
+
+def _in_memory_saver():
+    """DL4J's default saver, an InMemoryModelSaver: it writes model files, so it lives in nn."""
+    from dl4py.nn.savers import InMemoryModelSaver  # cycle: dl4py.nn.savers imports dl4py.train.early_stopping.savers
+
+    return InMemoryModelSaver()
 
 
 @dataclass
@@ -28,7 +34,7 @@ class EarlyStoppingConfiguration:
     score_calculator: ScoreCalculator | None = None
     epoch_conditions: list = field(default_factory=list)
     iteration_conditions: list = field(default_factory=list)
-    model_saver: object = field(default_factory=InMemoryModelSaver)
+    model_saver: object = field(default_factory=_in_memory_saver)
     evaluate_every_n_epochs: int = 1
     save_last_model: bool = False
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import traceback
 
+from dl4py.data.adapters import as_iterator
 from dl4py.train.early_stopping.configuration import (
     EPOCH_CONDITION,
     ERROR,
@@ -77,8 +78,6 @@ class EarlyStoppingTrainer:
 
 def progress_listeners(verbose, config: EarlyStoppingConfiguration, model, train, listeners) -> list:
     """The console listener ``verbose`` asks for, numbering epochs out of MaxEpochs' limit."""
-    from dl4py.nn.model import as_iterator
-
     limit = config.max_epochs()
     iterator = as_iterator(train, None, seed=getattr(model, "seed", 0), training=True)
     return console_listeners(verbose, None if limit is None else model.epoch_count + limit, batches_of(iterator),
