@@ -70,7 +70,7 @@ def toy_data(fault: str | None = None, at: int = 1):
 
 
 def main(fault: str, mode: str, timeout: float, out: str) -> int:
-    from dl4py.parallel import ParallelWrapper
+    from dl4py.parallel import ParallelPlan, ParallelWrapper
 
     rank = int(os.environ["RANK"])
     if fault == "exit" and rank == FAULTY_RANK:
@@ -78,7 +78,8 @@ def main(fault: str, mode: str, timeout: float, out: str) -> int:
     net = MultiLayerNetwork(mlp(), backend="cpu")
     options = {"averaging_frequency": 2} if mode == "averaging" else {}
     at = {"sigterm": 5, "sleep": 3}.get(fault, 1)
-    wrapper = ParallelWrapper(net, training_mode=mode, prefetch_buffer=0, timeout=timeout, **options)
+    plan = ParallelPlan.from_training_mode(mode)
+    wrapper = ParallelWrapper(net, parallelism=plan, prefetch_buffer=0, timeout=timeout, **options)
     status = "completed"
     try:
         wrapper.fit(toy_data(fault, at), listeners=[CheckpointListener(os.path.join(out, "checkpoint.dl4py"))],

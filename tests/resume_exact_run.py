@@ -46,7 +46,7 @@ from dl4py import (
     load,
 )
 from devices import backend_for  # beside this script, as it is run
-from dl4py.parallel import ParallelWrapper
+from dl4py.parallel import ParallelPlan, ParallelWrapper
 from dl4py.train.listeners import CheckpointListener, TrainingListener
 
 EPOCHS, BATCH = 2, 8
@@ -184,10 +184,12 @@ def run_case(phase: str, folder: Path, case: str) -> None:
         if plan == "single":
             model.fit(data(kind, folder), epochs=EPOCHS - model.epoch_count, listeners=listeners, verbose=0)
         else:
-            options = {"tensor_parallel_size": 2} if plan in ("tensor", "hybrid") else {}
+            tensor_size = 2 if plan in ("tensor", "hybrid") else None
+            options = {}
             if device == "cuda":
                 options["devices"] = ["cuda:0"]  # both workers on one GPU, whatever the machine has
-            with ParallelWrapper(model, workers=2, training_mode=plan, **options) as wrapper:
+            with ParallelWrapper(model, workers=2, parallelism=ParallelPlan.from_training_mode(plan, tensor_size),
+                                 **options) as wrapper:
                 wrapper.fit(data(kind, folder), epochs=EPOCHS - model.epoch_count, listeners=listeners, verbose=0)
     except TrainingInterrupted:
         if phase != "first":

@@ -26,7 +26,7 @@ from dl4py import (
 )
 from dl4py.nn.serialization import model_bytes
 from dl4py.parallel.distributed_state import full_state, load_full_state, optimizer_state_by_name, plain_twin
-from dl4py.config.parallel import ParallelOptions
+from dl4py.config.parallel import ParallelOptions, ParallelPlan
 from dl4py.parallel.preflight import own_source
 from dl4py.parallel.rank import run_rank
 from dl4py.parallel.tensor_parallel import apply_tensor_parallel
@@ -146,7 +146,7 @@ def fit_2d(rank: int, mode: str, device: str, accumulate: int = 1) -> bytes:
     data groups (the last round: group 1 has none), the hybrid to the 4 ranks (the last round:
     rank 0 alone, group 1 without rows). Returns the model file every rank receives."""
     data = ArrayDataSetIterator(*toy(FIT_EXAMPLES, seed=3), batch_size=FIT_BATCH, shuffle=False)
-    options = ParallelOptions(workers=WORLD_2D, training_mode=mode, tensor_parallel_size=TENSOR_2D).validate()
+    options = ParallelOptions(workers=WORLD_2D, parallelism=ParallelPlan(mode, tensor_size=TENSOR_2D)).validate()
     spec = WorkerSpec(model_file=model_bytes(MultiLayerNetwork(toy_network(), backend="cpu").init()),
                       torch_model=None, source=own_source(data), num_batches=len(data), epochs=1, options=options,
                       devices=["cpu" if device == "cpu" else "cuda:0"], precision="float", threads=1,

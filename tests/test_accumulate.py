@@ -206,7 +206,7 @@ def test_two_workers_sharing_gradients_accumulate_two_rounds_per_update(mnist):
     data = ArrayDataSetIterator(mnist_slice.features, mnist_slice.labels, batch_size=8, shuffle=True, seed=3)
     net = MultiLayerNetwork(_config(Adam(0.01)), backend="cpu").init()
     expected = _shared_gradient_steps(net, data, workers=2, k=2, epochs=2)
-    ParallelWrapper(net, workers=2, training_mode="shared_gradients").fit(data, epochs=2, verbose=0,
+    ParallelWrapper(net, workers=2, parallelism={"kind": "data", "sync": "shared_gradients"}).fit(data, epochs=2, verbose=0,
                                                                           accumulate_batches=2)
     gaps = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(net.module.parameters(),
                                                                            expected.parameters())]

@@ -77,8 +77,9 @@ def test_resume_continues_the_epoch_count(tmp_path, mnist, capsys):
     (["--set", "network.layers[5].type=dense"], r"network\.layers\[5\]\.loss: unknown field for DenseLayer"),
     (["--set", "network.layers[4].activation=swish"], r"network\.layers\[4\]\.activation: must be one of"),
     (["--averaging-frequency", "3"], r"training\.averaging_frequency: applies to parallel training only"),
-    (["--workers", "2", "--training-mode", "shared_gradients", "--averaging-frequency", "2"],
-     r"training\.averaging_frequency: applies to training_mode 'averaging' only"),
+    (["--workers", "2", "--parallelism", "{kind: data, sync: shared_gradients}", "--averaging-frequency", "2"],
+     r"training\.averaging_frequency: applies to the data plan with averaging only"),
+    (["--workers", "2", "--parallelism", "shards"], r"training\.parallelism: must be one of data, sharded, tensor"),
     (["--workers", "0"], r"training\.workers: must be a positive integer, got 0"),
     (["--backend", "gpu"], None),
 ])

@@ -303,7 +303,7 @@ def test_two_workers_sharing_gradients_clip_the_averaged_gradient_like_one_proce
     reference = _two_layers(**clip)
     reference.fit(ArrayDataSetIterator(x.double(), y.double(), batch_size=16, shuffle=False), verbose=0)
     net = MultiLayerNetwork(_two_layers(**clip).config, backend="cpu", precision="double")
-    ParallelWrapper(net, workers=2, training_mode="shared_gradients").fit(
+    ParallelWrapper(net, workers=2, parallelism={"kind": "data", "sync": "shared_gradients"}).fit(
         ArrayDataSetIterator(x.double(), y.double(), batch_size=8, shuffle=False), epochs=1)
     unclipped = _two_layers()
     unclipped.fit(ArrayDataSetIterator(x.double(), y.double(), batch_size=16, shuffle=False), verbose=0)

@@ -401,7 +401,7 @@ def test_two_workers_on_a_two_input_graph_step_on_the_mean_gradient():
                 p -= 0.1 * (grads[0][i] + grads[1][i]) / 2
     net = ComputationGraph(config, backend="cpu")
     data = ArrayDataSetIterator(net.pack_inputs(*halves(x)), y, batch_size=16, shuffle=False)
-    ParallelWrapper(net, workers=2, training_mode="shared_gradients").fit(data, epochs=1)
+    ParallelWrapper(net, workers=2, parallelism={"kind": "data", "sync": "shared_gradients"}).fit(data, epochs=1)
     for (name, a), b in zip(net.module.named_parameters(), reference.module.parameters()):
         assert torch.allclose(a, b, atol=1e-5), name
 

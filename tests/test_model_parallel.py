@@ -1,4 +1,4 @@
-"""Sharded data parallelism (``training_mode="sharded"``, FSDP2) on CPU with gloo, and the
+"""Sharded data parallelism (``parallelism="sharded"``, FSDP2) on CPU with gloo, and the
 tensor-parallel and hybrid modes as the ParallelWrapper runs them (their arithmetic on a
 LeNet-like net: tests/test_tensor_parallel.py).
 
@@ -29,7 +29,7 @@ from dl4py import (
     Sgd,
 )
 from dl4py.nn.loading import load
-from dl4py.parallel import ParallelWrapper
+from dl4py.parallel import ParallelPlan, ParallelWrapper
 from dl4py.parallel.sharding import RowBlocks, row_blocks, split_large_linears
 
 from devices import backend_for, on_devices, tolerance
@@ -83,7 +83,7 @@ def single_process(updater, epochs, device="cpu"):
 
 def sharded_fit(net, epochs, device="cpu"):
     x, y = toy_data()
-    ParallelWrapper(net, workers=WORKERS, training_mode="sharded", **workers_on(device)).fit(
+    ParallelWrapper(net, workers=WORKERS, parallelism="sharded", **workers_on(device)).fit(
         ArrayDataSetIterator(x, y, batch_size=BATCH, shuffle=False), epochs=epochs)
     return net
 
@@ -198,7 +198,7 @@ def test_early_stopping_scores_the_gathered_model(tmp_path, device):
                                         epoch_conditions=[MaxEpochs(2)], model_saver=LocalFileModelSaver(tmp_path))
     trainer = EarlyStoppingParallelTrainer(config, MultiLayerNetwork(network(Sgd(0.1)), backend=backend_for(device)),
                                            ArrayDataSetIterator(x, y, batch_size=BATCH, shuffle=False),
-                                           workers=WORKERS, training_mode="sharded", **workers_on(device))
+                                           workers=WORKERS, parallelism="sharded", **workers_on(device))
     with trainer:
         result = trainer.fit()
     assert result.total_epochs == 2 and sorted(result.score_vs_epoch) == [0, 1]
@@ -224,7 +224,7 @@ def test_a_killed_rank_stops_the_sharded_fit_naming_it(device):
     # Named as a death ("was killed by SIGKILL"), not as a rank the others waited for until the
     # watchdog's timeout: the coordinator saw the process end.
     with pytest.raises(WorkerError, match=rf"worker 1 \(device {where}\) failed: was killed by SIGKILL") as info:
-        ParallelWrapper(net, workers=WORKERS, training_mode="sharded", prefetch_buffer=0, **workers_on(device)).fit(
+        ParallelWrapper(net, workers=WORKERS, parallelism="sharded", prefetch_buffer=0, **workers_on(device)).fit(
             DiesInItsThirdBatch(x, y, batch_size=BATCH, shuffle=False), epochs=20)
     assert info.value.rank == 1
     assert multiprocessing.active_children() == []
@@ -240,7 +240,7 @@ def test_tensor_and_hybrid_fits_end_with_the_single_process_parameters(mode, dev
     worker 1 steps with an empty batch."""
     x, y = toy_data()
     net = model(Sgd(0.1), device)
-    ParallelWrapper(net, workers=WORKERS, training_mode=mode, **workers_on(device)).fit(
+    ParallelWrapper(net, workers=WORKERS, parallelism=ParallelPlan.from_training_mode(mode), **workers_on(device)).fit(
         ArrayDataSetIterator(x, y, batch_size=BATCH, shuffle=False), epochs=2)
     if mode == "tensor":
         reference = model(Sgd(0.1), device)
@@ -258,15 +258,21 @@ def test_the_parallelism_key_names_the_plan():
     from dl4py.errors import ConfigError
 
     def mode(**training):
-        return TrainingConfig.from_dict({"workers": 2, **training}, "training").parallel_options().training_mode
+        return TrainingConfig.from_dict({"workers": 2, **training}, "training").parallel_options().parallelism.mode
 
+    assert mode() == "averaging"
     assert mode(parallelism="sharded") == "sharded" and mode(parallelism="tensor") == "tensor"
-    assert mode(parallelism={"conv": "data", "dense": "tensor"}) == "hybrid"
-    assert mode(parallelism="data", training_mode="shared_gradients") == "shared_gradients"
+    assert mode(parallelism="hybrid") == "hybrid"
+    assert mode(parallelism={"conv": "data", "dense": "tensor"}) == "hybrid"  # an earlier spelling, still read
+    assert mode(parallelism={"kind": "data", "sync": "shared_gradients"}) == "shared_gradients"
     with pytest.raises(ConfigError, match=r"training.parallelism: per kind of layer"):
         mode(parallelism={"conv": "tensor", "dense": "data"})
-    with pytest.raises(ConfigError, match=r"training.parallelism: and training_mode \('shared_gradients'\) both"):
+    with pytest.raises(ConfigError, match=r"training.parallelism: and training.training_mode: shared_gradients both"):
         mode(parallelism="sharded", training_mode="shared_gradients")
+    with pytest.raises(ConfigError, match=r"training.parallelism.sync: applies to the data plan only"):
+        mode(parallelism={"kind": "sharded", "sync": "shared_gradients"})
+    with pytest.raises(ConfigError, match=r"training.parallelism.shards: is not a key of a plan"):
+        mode(parallelism={"kind": "sharded", "shards": 2})
     with pytest.raises(ConfigError, match=r"training.parallelism: applies to parallel training only"):
         TrainingConfig.from_dict({"workers": 1, "parallelism": "sharded"}, "training")
 
@@ -276,8 +282,8 @@ def test_accumulation_with_the_sharded_mode_is_refused_before_any_worker_starts(
 
     x, y = toy_data()
     net = MultiLayerNetwork(network(Sgd(0.1))).init().set_accumulate_batches(2)
-    with pytest.raises(ConfigError, match="training.accumulate_batches: is not supported with training_mode 'sharded'"):
-        ParallelWrapper(net, workers=WORKERS, training_mode="sharded").fit(
+    with pytest.raises(ConfigError, match="training.accumulate_batches: is not supported with parallelism sharded"):
+        ParallelWrapper(net, workers=WORKERS, parallelism="sharded").fit(
             ArrayDataSetIterator(x, y, batch_size=BATCH, shuffle=False))
 
 
@@ -291,9 +297,9 @@ def test_what_tensor_and_hybrid_cannot_train_is_refused_before_any_worker_starts
     data = ArrayDataSetIterator(x, y, batch_size=BATCH, shuffle=False)
     torch_model = TorchModel(nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)), loss=nn.CrossEntropyLoss(),
                              optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
-    with pytest.raises(ConfigError, match="training_mode: 'tensor' splits the dense layers of a MultiLayerNetwork; "
+    with pytest.raises(ConfigError, match="parallelism: 'tensor' splits the dense layers of a MultiLayerNetwork; "
                                           "this model is a TorchModel"):
-        ParallelWrapper(torch_model, workers=WORKERS, training_mode="tensor").fit(data)
+        ParallelWrapper(torch_model, workers=WORKERS, parallelism="tensor").fit(data)
     with pytest.raises(ConfigError, match="training.precision: 'bfloat16' keeps float32 master weights"):
         ParallelWrapper(MultiLayerNetwork(network(Sgd(0.1)), precision="bfloat16"), workers=WORKERS,
-                        training_mode="hybrid").fit(data)
+                        parallelism="hybrid").fit(data)

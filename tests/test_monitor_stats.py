@@ -174,7 +174,7 @@ def test_spawned_workers_relay_worker_0s_stats_to_the_listener_in_this_process(m
     memory = InMemoryStatsStorage()
     model = MultiLayerNetwork(lenet_ish(), backend="cpu")
     # Shared gradients: each step applies lr * the workers' mean gradient, which stays in .grad.
-    with ParallelWrapper(model, workers=2, training_mode="shared_gradients") as wrapper:  # rounds: 2, 4, 6, 8
+    with ParallelWrapper(model, workers=2, parallelism={"kind": "data", "sync": "shared_gradients"}) as wrapper:  # rounds: 2, 4, 6, 8
         wrapper.fit(MnistDataSetIterator(BATCH, train=True, seed=1, limit=256), epochs=1,
                     listeners=[StatsListener(memory, frequency=3)])
     assert memory.static[0]["workers"] == 2

@@ -23,7 +23,7 @@ from dl4py import (
 )
 from devices import backend_for, on_devices, tolerance
 from dl4py.errors import ConfigError, WorkerError
-from dl4py.parallel import ParallelWrapper
+from dl4py.parallel import ParallelPlan, ParallelWrapper
 
 from toy import mlp, toy  # noqa: E402
 
@@ -61,7 +61,7 @@ def test_matches_a_single_process_on_the_mean_gradient(mode, device):
 
     net = MultiLayerNetwork(mlp(), backend=backend_for(device))
     options = {"averaging_frequency": 1} if mode == "averaging" else {}
-    summaries = ParallelWrapper(net, workers=2, training_mode=mode, **options, **one_gpu(device)).fit(data, epochs=1)
+    summaries = ParallelWrapper(net, workers=2, parallelism=ParallelPlan.from_training_mode(mode), **options, **one_gpu(device)).fit(data, epochs=1)
     assert summaries[0].batches == 11 and summaries[0].examples == 88
     for (name, a), b in zip(net.module.named_parameters(), expected.parameters()):
         assert a.device.type == device, name
@@ -188,14 +188,17 @@ def test_a_failing_worker_stops_fit_naming_it(iterator_class, detail):
 
 def test_options_that_cannot_apply_are_errors():
     net = MultiLayerNetwork(mlp())
-    with pytest.raises(ConfigError, match="averaging_frequency: applies to training_mode 'averaging' only"):
-        ParallelWrapper(net, training_mode="shared_gradients", averaging_frequency=3)
-    with pytest.raises(ConfigError, match="average_updaters: applies to training_mode 'averaging'"):
-        ParallelWrapper(net, training_mode="shared_gradients", average_updaters=False)
+    with pytest.raises(ConfigError, match="averaging_frequency: applies to the data plan with averaging only"):
+        ParallelWrapper(net, parallelism={"kind": "data", "sync": "shared_gradients"}, averaging_frequency=3)
+    with pytest.raises(ConfigError, match="average_updaters: applies to the data plan with averaging"):
+        ParallelWrapper(net, parallelism={"kind": "data", "sync": "shared_gradients"}, average_updaters=False)
     with pytest.raises(ConfigError, match="report_score_after_averaging: applies"):
-        ParallelWrapper(net, training_mode="shared_gradients", report_score_after_averaging=True)
+        ParallelWrapper(net, parallelism={"kind": "data", "sync": "shared_gradients"},
+                        report_score_after_averaging=True)
+    with pytest.raises(ConfigError, match="parallelism: must be one of data, sharded, tensor, hybrid; got 'async'"):
+        ParallelWrapper(net, parallelism="async")
     with pytest.raises(ConfigError, match="training_mode: must be one of averaging, shared_gradients"):
-        ParallelWrapper(net, training_mode="async")
+        ParallelWrapper(net, training_mode="async")  # an earlier spelling, still checked
     with pytest.raises(ConfigError, match="workers: must be a positive integer, got 0"):
         ParallelWrapper(net, workers=0)
     with pytest.raises(ConfigError, match="prefetch_buffer: must be an integer >= 0"):
@@ -257,7 +260,7 @@ def test_plain_torch_module_replicas_are_private_copies(device):
     batches = [(x[b:b + 16].to(device), y[b:b + 16].to(device)) for b in range(0, 64, 16)]
     mean_gradient_steps(reference, _cross_entropy, batches, workers=2, lr=0.5)
     model = TorchModel(module, loss=_cross_entropy, optimizer=_sgd_half, backend=backend_for(device))
-    ParallelWrapper(model, workers=2, training_mode="shared_gradients", **one_gpu(device)).fit(
+    ParallelWrapper(model, workers=2, parallelism={"kind": "data", "sync": "shared_gradients"}, **one_gpu(device)).fit(
         ArrayDataSetIterator(x, y, batch_size=16, shuffle=False), epochs=1)
     for a, b in zip(model.module.parameters(), reference.parameters()):
         assert a.device.type == device

@@ -12,6 +12,7 @@ import pytest
 from dl4py import ArrayDataSetIterator, MultiLayerNetwork
 from dl4py.config.run import TrainingConfig
 from dl4py.errors import ConfigError
+from dl4py.config.parallel import ParallelPlan, _noted
 from dl4py.parallel import ParallelOptions, ParallelWrapper
 from dl4py.parallel.dl4j_options import WITHOUT_EFFECT
 from dl4py.train.history import History
@@ -22,14 +23,16 @@ from toy import mlp, toy  # noqa: E402
 @pytest.mark.parametrize("values, message", [
     ({"workers": 2, "prefetch_buffer": -1}, "prefetch_buffer: must be an integer >= 0, got -1"),
     ({"workers": 2, "averaging_frequency": 0}, "averaging_frequency: must be a positive integer, got 0"),
-    ({"workers": 2, "training_mode": "shared_gradients", "report_score_after_averaging": True},
-     "report_score_after_averaging: applies to training_mode 'averaging' only"),
-    ({"workers": 4, "training_mode": "tensor", "tensor_parallel_size": 3},
-     "tensor_parallel_size: is 3, which does not divide the 4 workers into tensor-parallel groups"),
-    ({"workers": 2, "training_mode": "hybrid", "tensor_parallel_size": 0},
-     "tensor_parallel_size: must be a positive integer, got 0"),
-    ({"workers": 4, "training_mode": "shared_gradients", "tensor_parallel_size": 2},
-     "tensor_parallel_size: applies to training_mode 'tensor' or 'hybrid' only, not 'shared_gradients'"),
+    ({"workers": 2, "parallelism": {"kind": "data", "sync": "shared_gradients"}, "report_score_after_averaging": True},
+     "report_score_after_averaging: applies to the data plan with averaging only"),
+    ({"workers": 4, "parallelism": {"kind": "tensor", "tensor_size": 3}},
+     "parallelism.tensor_size: is 3, which does not divide the 4 workers into tensor-parallel groups"),
+    ({"workers": 2, "parallelism": {"kind": "hybrid", "tensor_size": 0}},
+     "parallelism.tensor_size: must be a positive integer, got 0"),
+    ({"workers": 4, "parallelism": {"kind": "data", "tensor_size": 2}},
+     "parallelism.tensor_size: applies to the tensor and hybrid plans only, not 'data'"),
+    ({"workers": 2, "parallelism": {"kind": "data", "sync": "gradients"}},
+     "parallelism.sync: must be one of averaging, shared_gradients; got 'gradients'"),
 ])
 def test_the_wrapper_and_the_training_section_refuse_a_value_in_the_same_words(values, message):
     net = MultiLayerNetwork(mlp())
@@ -150,10 +153,47 @@ def test_options_that_cannot_apply_to_spark_tasks_fail_at_the_driver_in_one_line
 
     no_session = SimpleNamespace()  # any use would be an AttributeError
     with pytest.raises(ConfigError) as refused:
-        SparkTrainer(MultiLayerNetwork(mlp()), 2, spark=no_session, training_mode="shared_gradients",
-                     averaging_frequency=3)
-    assert str(refused.value) == ("averaging_frequency: applies to training_mode 'averaging' only: shared_gradients "
-                                  "keeps every replica identical")
+        SparkTrainer(MultiLayerNetwork(mlp()), 2, spark=no_session, averaging_frequency=3,
+                     parallelism={"kind": "data", "sync": "shared_gradients"})
+    assert str(refused.value) == ("averaging_frequency: applies to the data plan with averaging only: parallelism "
+                                  "{kind: data, sync: shared_gradients} keeps every replica identical")
     assert len(validations) == 1
     with pytest.raises(ConfigError, match="^devices: applies to the ParallelWrapper, not to Spark tasks"):
         SparkTrainer(MultiLayerNetwork(mlp()), spark=no_session, options=ParallelOptions(workers=2, devices=["cpu"]))
+
+
+@pytest.mark.parametrize("earlier, plan", [
+    ({"training_mode": "shared_gradients"}, ParallelPlan("data", sync="shared_gradients")),
+    ({"training_mode": "hybrid", "tensor_parallel_size": 2}, ParallelPlan("hybrid", tensor_size=2)),
+    ({"training_mode": "sharded"}, ParallelPlan("sharded")),
+])
+def test_an_earlier_spelling_of_the_plan_still_works_and_says_once_what_to_write(caplog, earlier, plan):
+    """``training_mode`` and ``tensor_parallel_size``, as the wrapper's keywords and
+    attributes and as config keys: the same options as ``parallelism``, and one line each."""
+    caplog.set_level(logging.WARNING, logger="dl4py")
+    _noted.clear()
+    net = MultiLayerNetwork(mlp())
+    wanted = ParallelWrapper(net, workers=4, parallelism=plan).options
+    assert ParallelWrapper(net, workers=4, **earlier).options == wanted
+    assert ParallelWrapper(net, workers=4, **earlier).options == wanted  # noted once, not per use
+    assert TrainingConfig.from_dict({"workers": 4, **earlier}, "training").parallel_options() == wanted
+    wrapper = ParallelWrapper(net, workers=4)
+    for name, value in earlier.items():
+        setattr(wrapper, name, value)
+    assert wrapper.options == wanted and wrapper.training_mode == plan.mode
+    notes = [r.getMessage() for r in caplog.records]
+    shown = ", ".join(f"{name}={value!r}" for name, value in earlier.items())
+    assert notes[0] == (f"ParallelWrapper({shown}) is deprecated (it still works): "
+                        f"write ParallelWrapper(parallelism={plan.to_dict()!r})")
+    assert notes[1].startswith("training.training_mode: ") and notes[1].endswith(f"write training.parallelism: {plan}")
+    assert len(notes) == len(set(notes)) and all(r.levelno == logging.WARNING for r in caplog.records)
+    with pytest.raises(ConfigError, match="^parallelism: and training_mode='sharded' both choose the plan"):
+        ParallelWrapper(net, parallelism="data", training_mode="sharded")
+
+
+def test_a_plan_reads_back_in_the_spelling_it_was_written():
+    for spelling in ("data", "sharded", "tensor", "hybrid", {"kind": "data", "sync": "shared_gradients"},
+                     {"kind": "hybrid", "tensor_size": 2}):
+        config = TrainingConfig.from_dict({"workers": 4, "parallelism": spelling}, "training")
+        assert config.to_dict()["parallelism"] == spelling
+        assert TrainingConfig.from_dict(config.to_dict(), "training") == config

@@ -138,7 +138,7 @@ def test_a_fit_after_a_failure_or_with_other_workers_starts_fresh_ones():
     wrapper.fit(data)
     assert wrapper._pool.starts == 2 and net.epoch_count == 1
     pids = wrapper._pool.pids
-    wrapper.training_mode = "shared_gradients"  # other workers' set-up: the next fit starts its own
+    wrapper.parallelism = {"kind": "data", "sync": "shared_gradients"}  # the next fit starts its own workers
     wrapper.fit(data)
     assert wrapper._pool.starts == 3 and set(wrapper._pool.pids).isdisjoint(pids) and net.epoch_count == 2
 

@@ -259,7 +259,7 @@ def test_two_workers_on_padded_sequences_train_as_one_process_on_each_rounds_uni
     reference.fit(SequenceDataSetIterator(sequences, labels, batch_size=8), epochs=2, verbose=0)
     net = MultiLayerNetwork(CONFIGS["gru_last_step"](), backend=backend_for(device))
     devices = {"devices": ["cuda:0"]} if device == "cuda" else {}  # two workers on one GPU (gloo)
-    ParallelWrapper(net, workers=2, training_mode="shared_gradients", **devices).fit(
+    ParallelWrapper(net, workers=2, parallelism={"kind": "data", "sync": "shared_gradients"}, **devices).fit(
         SequenceDataSetIterator(sequences, labels, batch_size=4), epochs=2, verbose=0)
     close = tolerance(device) if device == "cuda" else {"atol": 1e-5}
     for (name, a), b in zip(net.module.named_parameters(), reference.module.parameters()):

@@ -27,7 +27,7 @@ import torch
 from dl4py import MultiLayerNetwork, load
 from dl4py.config.run import RunConfig
 from dl4py.errors import ConfigError, WorkerError
-from dl4py.parallel import ParallelWrapper
+from dl4py.parallel import ParallelPlan, ParallelWrapper
 from dl4py.parallel.phase import PHASES
 from dl4py.parallel.watchdog import Record, missing
 from dl4py.train import TrainingInterrupted
@@ -106,14 +106,16 @@ def _parameters(net) -> list[torch.Tensor]:
 
 def _uninterrupted(mode: str, options: dict) -> list[torch.Tensor]:
     net = MultiLayerNetwork(mlp(), backend="cpu")
-    with ParallelWrapper(net, workers=2, training_mode=mode, prefetch_buffer=0, **options) as wrapper:
+    with ParallelWrapper(net, workers=2, parallelism=ParallelPlan.from_training_mode(mode), prefetch_buffer=0,
+                         **options) as wrapper:
         wrapper.fit(toy_data(), verbose=0)
     return _parameters(net)
 
 
 def _resumed(checkpoint: Path, mode: str, options: dict):
     net = load(checkpoint, backend="cpu")
-    with ParallelWrapper(net, workers=2, training_mode=mode, prefetch_buffer=0, **options) as wrapper:
+    with ParallelWrapper(net, workers=2, parallelism=ParallelPlan.from_training_mode(mode), prefetch_buffer=0,
+                         **options) as wrapper:
         wrapper.fit(toy_data(), verbose=0)  # the rest of the stopped epoch
     return net
 
@@ -130,7 +132,8 @@ def test_sigterm_to_one_worker_stops_every_worker_after_the_same_round_and_resum
     processes = RunProcesses()
     checkpoint = tmp_path / "checkpoint.dl4py"
     net = MultiLayerNetwork(mlp(), backend="cpu")
-    wrapper = ParallelWrapper(net, workers=2, training_mode=mode, prefetch_buffer=0, **options)
+    wrapper = ParallelWrapper(net, workers=2, parallelism=ParallelPlan.from_training_mode(mode), prefetch_buffer=0,
+                         **options)
     try:
         with pytest.raises(TrainingInterrupted) as stopped:
             wrapper.fit(toy_data("sigterm", at=5), listeners=[CheckpointListener(checkpoint)], verbose=0)

@@ -1,4 +1,4 @@
-"""Sharded training (``training_mode="sharded"``) of a layer whose rows do not split evenly.
+"""Sharded training (``parallelism="sharded"``) of a layer whose rows do not split evenly.
 
 The 64 -> 40,000 dense layer holds 2,560,000 weights, between 2 and 3 times 2**20, so it is
 gathered in 3 row blocks (``sharding.row_blocks``), cut as ``torch.tensor_split`` cuts:
@@ -179,7 +179,7 @@ def test_a_sharded_fit_of_the_uneven_layer_ends_with_the_single_process_state(de
     x, y = toy_data()
     net = MultiLayerNetwork(network(), backend=backend_for(device)).init()
     # On one GPU both workers share cuda:0, joined by gloo (NCCL wants a GPU per rank).
-    ParallelWrapper(net, workers=WORKERS, training_mode="sharded", devices=["cuda:0"] if device == "cuda" else None).fit(
+    ParallelWrapper(net, workers=WORKERS, parallelism="sharded", devices=["cuda:0"] if device == "cuda" else None).fit(
         ArrayDataSetIterator(x, y, batch_size=BATCH, shuffle=False), epochs=1)
     reference = single_process(device)
     assert (net.epoch_count, net.iteration_count) == (1, EXAMPLES // BATCH)

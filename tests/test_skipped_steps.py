@@ -89,5 +89,5 @@ def test_parallel_workers_get_the_policy_object_and_stop_at_its_limit():
     # every shared update, and the fit stops at the sixth, naming a worker.
     net = network("cpu", Precision("mixed-fp16", max_skipped_steps=6))
     with pytest.raises(WorkerError, match="6 updates in a row were skipped"):
-        ParallelWrapper(net, workers=2, training_mode="shared_gradients").fit(
+        ParallelWrapper(net, workers=2, parallelism={"kind": "data", "sync": "shared_gradients"}).fit(
             ArrayDataSetIterator(*overflowing_data(), batch_size=4), epochs=1, verbose=0)

@@ -223,7 +223,7 @@ def test_a_dataframe_trains_as_its_in_memory_equivalent(spark, twin):
 @pytest.mark.slow
 @needs_java
 def test_a_sharded_dataframe_fit_steps_as_one_process_on_each_rounds_batches(spark):
-    """training_mode 'sharded' (FSDP2) on Spark tasks: rank i reads partition i, and each
+    """parallelism sharded (FSDP2) on Spark tasks: rank i reads partition i, and each
     update is the mean gradient of the round's two batches, so the fit ends where a single
     process ends that steps on batch r of both partitions together."""
     from dl4py.spark import SparkTrainer
@@ -231,7 +231,7 @@ def test_a_sharded_dataframe_fit_steps_as_one_process_on_each_rounds_batches(spa
     rows = [(row, label) for x, y in PARTS for row, label in zip(x.tolist(), y.tolist())]
     df = spark.createDataFrame(spark.sparkContext.parallelize(rows, 2), "features array<double>, label int")
     sharded = network()
-    SparkTrainer(sharded, 2, spark=spark, training_mode="sharded").fit(df, label="label", batch_size=BATCH, epochs=1)
+    SparkTrainer(sharded, 2, spark=spark, parallelism="sharded").fit(df, label="label", batch_size=BATCH, epochs=1)
     reference = network().init()
     for r in range(PER_PART // BATCH):
         rows_r = slice(r * BATCH, (r + 1) * BATCH)

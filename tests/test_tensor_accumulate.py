@@ -19,10 +19,11 @@ from dl4py.parallel import ParallelWrapper
 from descendants import started_processes  # noqa: E402
 from toy import mlp, toy  # noqa: E402
 
-REFUSAL = "training.accumulate_batches: is not supported with training_mode 'hybrid' yet"
+REFUSAL = "training.accumulate_batches: is not supported with parallelism hybrid yet"
 
 
-@pytest.mark.parametrize("mesh", [{"workers": 2}, {"workers": 4, "tensor_parallel_size": 2}], ids=["1-D", "2-D"])
+@pytest.mark.parametrize("mesh", [{"workers": 2, "parallelism": "hybrid"},
+                                  {"workers": 4, "parallelism": {"kind": "hybrid", "tensor_size": 2}}], ids=["1-D", "2-D"])
 @pytest.mark.parametrize("given", ["model", "fit"])
 def test_the_hybrid_with_accumulation_is_refused_before_any_worker_starts(mesh, given):
     """Whether the model carries the setting or ``fit`` is given it. The data (9 batches of 8,
@@ -32,7 +33,7 @@ def test_the_hybrid_with_accumulation_is_refused_before_any_worker_starts(mesh, 
     if given == "model":
         net.set_accumulate_batches(2)
     data = ArrayDataSetIterator(*toy(70), batch_size=8, shuffle=False)
-    with ParallelWrapper(net, training_mode="hybrid", **mesh) as wrapper:
+    with ParallelWrapper(net, **mesh) as wrapper:
         with pytest.raises(ConfigError, match=REFUSAL):
             wrapper.fit(data, verbose=0, accumulate_batches=2 if given == "fit" else None)
         assert started_processes() == before  # no worker was started (a pool keeps its workers until closed)
@@ -46,7 +47,7 @@ def test_dl4py_train_refuses_the_hybrid_with_accumulation_in_one_line(tmp_path, 
         "  layers: [{type: dense, n_out: 12}, {type: dense, n_out: 12}, {type: output, n_out: 10}]\n"
         "data: {dataset: mnist, limit_train: 64, limit_test: 16}\n"
         "training:\n"
-        "  {epochs: 1, batch_size: 8, workers: 2, parallelism: {conv: data, dense: tensor}, accumulate_batches: 2}\n"
+        "  {epochs: 1, batch_size: 8, workers: 2, parallelism: hybrid, accumulate_batches: 2}\n"
     )
     before = started_processes()
     assert main(["train", str(config), "--output", str(tmp_path / "run"), "--no-progress"]) == 2

@@ -8,7 +8,7 @@ import sys
 import torch
 
 from dl4py import ArrayDataSetIterator, DenseLayer, InputType, MultiLayerNetwork, NetworkConfig, OutputLayer, Sgd
-from dl4py.parallel import ParallelWrapper, launched_by_torchrun
+from dl4py.parallel import ParallelPlan, ParallelWrapper, launched_by_torchrun
 
 # A rank kept waiting this long at a collective names the rank that did not arrive and ends
 # the fit (the library's watchdog): within the test's own bound on the launchers, so a
@@ -26,7 +26,8 @@ def main(out: str, mode: str) -> None:
     model = MultiLayerNetwork(config, backend="cpu")
     options = {"averaging_frequency": 2} if mode == "averaging" else {}
     workers = None if launched_by_torchrun() else 2
-    with ParallelWrapper(model, workers=workers, training_mode=mode, timeout=RANK_TIMEOUT, **options) as wrapper:
+    plan = ParallelPlan.from_training_mode(mode)
+    with ParallelWrapper(model, workers=workers, parallelism=plan, timeout=RANK_TIMEOUT, **options) as wrapper:
         wrapper.fit(ArrayDataSetIterator(x, y, batch_size=16, shuffle=True, seed=3), epochs=2)
     if os.environ.get("RANK", "0") == "0":
         model.save(out)

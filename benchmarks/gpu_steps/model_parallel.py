@@ -50,7 +50,7 @@ def run(check: Check) -> None:
 def train_plan(check: Check, plan: str, data: tuple, timing: tuple) -> dict:
     net = MultiLayerNetwork(network(), backend=check.backend).init()
     probe = WorkerProbe()
-    with ParallelWrapper(net, workers=WORKERS, devices=[str(check.device)], training_mode=plan,
+    with ParallelWrapper(net, workers=WORKERS, devices=[str(check.device)], parallelism=plan,
                          timeout=TIMEOUT_S) as wrapper:
         started = time.perf_counter()
         trained = wrapper.fit(batches(*data), epochs=EPOCHS, listeners=[probe], verbose=0)

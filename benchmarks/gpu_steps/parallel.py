@@ -36,7 +36,7 @@ from dl4py import (
     Sgd,
 )
 from dl4py.errors import WorkerError
-from dl4py.parallel import ParallelWrapper
+from dl4py.parallel import ParallelPlan, ParallelWrapper
 from gpu_steps._check import Check
 from gpu_steps._workers import EXPECTED_BACKEND, WorkerProbe, mib, part, rss_mib, toy_examples
 
@@ -70,7 +70,8 @@ def train_mode(check: Check, mode: str, options: dict) -> None:
     probe = WorkerProbe()
     after_fits = []
     began = time.perf_counter()
-    with ParallelWrapper(model, workers=WORKERS, devices=[str(check.device)], training_mode=mode,
+    plan = ParallelPlan.from_training_mode(mode)
+    with ParallelWrapper(model, workers=WORKERS, devices=[str(check.device)], parallelism=plan,
                          timeout=TIMEOUT_S, **options) as wrapper:
         started = time.perf_counter()
         history = wrapper.fit(data, epochs=3, listeners=[probe], verbose=0)

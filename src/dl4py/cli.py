@@ -11,7 +11,7 @@
     dl4py info [--json]
     dl4py doctor [--json] [--timeout S] [--master-addr ADDR] [--port N]
     dl4py memory CONFIG.yaml [--batch-size N] [--precision P] [--inference]
-                             [--parallelism single|sharded --workers N]
+                             [--parallelism data|sharded --workers N]
                              [--device-memory 80GB | --device cuda:0|cpu] [--json]
     dl4py sweep CONFIG.yaml --grid key=v1,v2,... [--random N --range key=lo:hi[:log]]
                             [--devices all|cpu|0,1] [--per-device K] [--metric M]
@@ -56,8 +56,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--precision", help="training.precision (float, double, half, bfloat16, mixed-fp16, mixed-bf16)")
     train.add_argument("--workers", type=int, help="training.workers: > 1 trains data-parallel with a ParallelWrapper")
     train.add_argument("--averaging-frequency", type=int, help="training.averaging_frequency (rounds between averages)")
-    train.add_argument("--training-mode",
-                       help="training.training_mode: averaging, shared_gradients, sharded, tensor or hybrid")
+    train.add_argument("--parallelism",
+                       help="training.parallelism: data, sharded, tensor or hybrid, or a mapping such as "
+                            "'{kind: data, sync: shared_gradients}' or '{kind: hybrid, tensor_size: 2}'")
+    train.add_argument("--training-mode", help=argparse.SUPPRESS)  # deprecated: --parallelism
     train.add_argument("--accumulate-batches", type=int,
                        help="training.accumulate_batches: batches whose summed gradients make one update")
     train.add_argument("--launcher", choices=["spawn", "torchrun", "spark"],
@@ -107,9 +109,10 @@ def _parser() -> argparse.ArgumentParser:
     memory.add_argument("--device", help="cuda (default), cuda:N or cpu; with no --device-memory, "
                                          "its free memory is read when it is present")
     memory.add_argument("--inference", action="store_true", help="inference only: no gradients, no updater")
-    memory.add_argument("--parallelism", choices=["single", "sharded"],
-                        help="sharded: one rank's memory when --workers ranks train sharded (FSDP2), "
-                             "each on its own batch (default: sharded when the config's training is)")
+    memory.add_argument("--parallelism", choices=["data", "sharded", "tensor", "hybrid", "single"],
+                        help="the plan whose one rank is estimated (default: the config's training.parallelism): "
+                             "data, a whole replica; sharded, one of --workers ranks training sharded (FSDP2), "
+                             "each on its own batch; tensor and hybrid are estimated as a whole replica")
     memory.add_argument("--workers", type=int, help="ranks a sharded step is split over (default: training.workers)")
     memory.add_argument("--json", action="store_true")
 
@@ -310,7 +313,8 @@ def _train(args) -> int:
         "training.epochs": args.epochs, "training.batch_size": args.batch_size,
         "training.backend": args.backend, "training.precision": args.precision,
         "training.workers": args.workers, "training.averaging_frequency": args.averaging_frequency,
-        "training.training_mode": args.training_mode, "training.accumulate_batches": args.accumulate_batches,
+        "training.parallelism": args.parallelism, "training.training_mode": args.training_mode,
+        "training.accumulate_batches": args.accumulate_batches,
     }
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + args.overrides
     config = config.with_overrides(overrides)
@@ -375,11 +379,8 @@ def _sweep(args) -> int:
 
 
 def _memory(args) -> int:
-    import torch
-
     from dl4py.config import RunConfig
     from dl4py.memory import estimate, max_batch_size
-    from dl4py.memory.capacity import device_memory, fixed_budget
     from dl4py.memory.report import format_report, verdict
 
     from dl4py.backend.cuda_environment import environment
@@ -387,32 +388,13 @@ def _memory(args) -> int:
 
     config = RunConfig.from_file(args.config)
     environment().update_from_config(config.environment)  # e.g. fused_optimizer decides the update's scratch
-    try:
-        device = torch.device(args.device or "cuda")
-    except RuntimeError:
-        raise ConfigError("--device", f"must be cpu, cuda or cuda:N, got {args.device!r}") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ConfigError("--device", f"must be cpu, cuda or cuda:N, got {args.device!r}")
+    device, memory = _memory_device(args)
     batch = args.batch_size if args.batch_size is not None else config.training.batch_size
     if batch == "auto":
         batch = None
-    if args.device_memory:
-        memory = fixed_budget(args.device_memory, device.type)
-    elif args.device or (device.type == "cuda" and torch.cuda.is_available()):
-        memory = device_memory(device)
-    else:
-        memory = None  # nothing to compare with: the report alone
     precision = args.precision or config.training.precision
-    options = dict(precision=precision, device=device.type, training=not args.inference)
-    if args.parallelism is None:
-        args.parallelism = "sharded" if config.training.mode() == "sharded" else "single"
-    if args.parallelism == "sharded":
-        workers = args.workers if args.workers is not None else config.training.workers
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 2:
-            raise ConfigError("--workers", f"--parallelism sharded needs 2 or more workers, got {workers!r}")
-        options.update(parallelism="sharded", workers=workers)
-    elif args.workers is not None:
-        raise ConfigError("--workers", "applies to --parallelism sharded only")
+    options = dict(precision=precision, device=device.type, training=not args.inference,
+                   **_memory_plan(args, config))
     largest = None
     if memory is not None:
         largest = max_batch_size(config, memory.bytes, context=memory.context_included, **options)
@@ -423,17 +405,11 @@ def _memory(args) -> int:
     if batch is None:  # batch_size: auto in the config: report at the largest that fits
         batch = largest or 1  # nothing fits: the report of one sample says by how much
     report = estimate(config, batch, **options)
-    plan = None
-    if memory is not None and args.parallelism == "single" and not args.inference \
+    offer = None
+    if memory is not None and "workers" not in options and not args.inference \
             and report.needed_bytes(memory.context_included) > memory.bytes:
-        from dl4py.memory.sharded import fewest_workers
-
-        try:
-            plan = fewest_workers(config, batch, memory.bytes, memory.context_included, precision=precision,
-                                  device=device.type) or ()
-        except ConfigError:
-            pass  # a network or precision the sharded estimate does not model: no plan to offer
-    answer = verdict(report, memory, largest, plan)
+        offer = _sharded_offer(config, batch, memory, precision, device)
+    answer = verdict(report, memory, largest, offer)
     if args.json:
         print(json.dumps({**report.to_dict(), **answer}, indent=2))
     else:
@@ -441,6 +417,60 @@ def _memory(args) -> int:
         if memory is None:
             print("\n(no device memory to compare with: give --device-memory, e.g. 80GB)")
     return 0
+
+
+def _memory_device(args):
+    """``(device, memory)`` for ``dl4py memory``: the device asked for, and the memory to
+    fit in (``--device-memory``, else the device's free memory where it is present, else None)."""
+    import torch
+
+    from dl4py.errors import ConfigError
+    from dl4py.memory.capacity import device_memory, fixed_budget
+
+    try:
+        device = torch.device(args.device or "cuda")
+    except RuntimeError:
+        raise ConfigError("--device", f"must be cpu, cuda or cuda:N, got {args.device!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError("--device", f"must be cpu, cuda or cuda:N, got {args.device!r}")
+    if args.device_memory:
+        return device, fixed_budget(args.device_memory, device.type)
+    if args.device or (device.type == "cuda" and torch.cuda.is_available()):
+        return device, device_memory(device)
+    return device, None  # nothing to compare with: the report alone
+
+
+def _memory_plan(args, config) -> dict:
+    """The estimator's options for the plan ``dl4py memory`` answers for: ``--parallelism``,
+    else the config's plan. Sharded: one of ``--workers`` ranks; the data plan (and tensor and
+    hybrid, not modelled per rank yet) a whole replica, as on one device."""
+    from dl4py.config.parallel import note_deprecated
+    from dl4py.errors import ConfigError
+
+    kind = args.parallelism or config.training.plan().kind
+    if kind == "single":
+        note_deprecated("--parallelism single", "--parallelism data")
+    if kind != "sharded":
+        if args.workers is not None:
+            raise ConfigError("--workers", "applies to --parallelism sharded only")
+        return {}
+    workers = args.workers if args.workers is not None else config.training.workers
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 2:
+        raise ConfigError("--workers", f"--parallelism sharded needs 2 or more workers, got {workers!r}")
+    return {"parallelism": "sharded", "workers": workers}
+
+
+def _sharded_offer(config, batch, memory, precision, device):
+    """The fewest sharded ranks a step that does not fit one device would fit over (() for
+    none), or None where the sharded estimate does not model the network or precision."""
+    from dl4py.errors import ConfigError
+    from dl4py.memory.sharded import fewest_workers
+
+    try:
+        return fewest_workers(config, batch, memory.bytes, memory.context_included, precision=precision,
+                              device=device.type) or ()
+    except ConfigError:
+        return None  # a network or precision the sharded estimate does not model: no plan to offer
 
 
 def _evaluate(args) -> int:

@@ -19,7 +19,7 @@ from dl4py.errors import ConfigError
 log = logging.getLogger("dl4py")
 
 # Keys that decide an epoch's batches (a key names itself and everything under it).
-EPOCH_COMPOSITION_KEYS = ("data", "training.batch_size", "training.workers", "training.training_mode")
+EPOCH_COMPOSITION_KEYS = ("data", "training.batch_size", "training.workers", "training.parallelism")
 SHOWN = 4  # differences listed in a message before "and N more"
 
 
@@ -66,7 +66,7 @@ def check_resume(config: RunConfig, checkpoint_model, run_dir: Path) -> None:
         return
     if config.training.batch_size == "auto":  # an auto run keeps the batch size it recorded
         config = config.with_overrides([f"training.batch_size={recorded.training.batch_size}"])
-    found = [d for d in differences(recorded.to_dict(), config.to_dict()) if _decides_batches(d[0])]
+    found = [d for d in differences(_compared(recorded), _compared(config)) if _decides_batches(d[0])]
     if not found:
         return
     what = describe(found, "the run", "this config")
@@ -103,6 +103,17 @@ def resumed_message(run_dir: Path, model, saved_meta: dict, batches_per_epoch: i
     if model.batch_in_epoch:
         parts.append("data position")
     return f"{where}; {', '.join(parts[:-1])} and {parts[-1]} restored"
+
+
+def _compared(config: RunConfig) -> dict:
+    """The config as plain data, its plan in one spelling: a run recorded with an earlier
+    release's ``training_mode`` resumes under the ``parallelism`` that names the same plan."""
+    plain = config.to_dict()
+    training = plain.setdefault("training", {})
+    for earlier in ("training_mode", "tensor_parallel_size"):
+        training.pop(earlier, None)
+    training["parallelism"] = config.training.plan().to_dict()
+    return plain
 
 
 def _decides_batches(path: str) -> bool:

@@ -1,4 +1,5 @@
-"""The parallel trainers' options, as one frozen object checked by one ``validate``.
+"""The parallel trainers' options, as one frozen object checked by one ``validate``, and the
+plan they train by (``ParallelPlan``), in one vocabulary.
 
 The ``training`` section of a run config, the ParallelWrapper, the SparkTrainer and every
 rank read the same ``ParallelOptions``; an error names the option
@@ -8,23 +9,140 @@ workers, to each Spark task.
 
     options = ParallelOptions(workers=2, averaging_frequency=3).validate()
     ParallelWrapper(model, options=options)
+    ParallelWrapper(model, workers=4, parallelism=ParallelPlan("hybrid", tensor_size=2))
 
 Config floor: nothing here imports ``parallel/``, ``nn/`` or ``train/``.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, fields, replace
 
 import torch
 
 from dl4py.errors import ConfigError
 
+log = logging.getLogger("dl4py")
+
+# The plans, in the one vocabulary of the config, the CLI, the trainers and ``dl4py memory``.
+PLANS = ("data", "sharded", "tensor", "hybrid")
+# How the data plan's replicas meet: DL4J's parameter averaging, or the mean gradient every step.
+SYNCS = ("averaging", "shared_gradients")
+# The rank program's names for a plan (ParallelPlan.mode): what its code branches on.
 MODES = ("averaging", "shared_gradients", "sharded", "tensor", "hybrid")
 # Modes in which the replicas meet every step, in the update (no averaging rounds).
 STEP_MODES = ("shared_gradients", "sharded", "tensor", "hybrid")
 # Modes whose replicas hold parts of the parameters (parallel/sharding.py, tensor_parallel.py).
 DISTRIBUTED_MODES = ("sharded", "tensor", "hybrid")
+# The per-kind-of-layer spellings of an earlier release (docs/model-parallel.md).
+_BY_LAYER_KIND = {("data", "tensor"): "hybrid", ("data", "data"): "data"}
+_noted: set[str] = set()
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """How the workers split the training (docs/model-parallel.md):
+
+    - ``"data"``: every worker holds the whole model and trains its own batches; ``sync``
+      says how the replicas meet: ``"averaging"`` (DL4J's parameter averaging every
+      ``averaging_frequency`` rounds, the default) or ``"shared_gradients"`` (the mean
+      gradient every step);
+    - ``"sharded"``: parameters, gradients and updater state split across the workers (FSDP2);
+    - ``"tensor"``: the large dense layers split across the workers, which all train the same
+      batches;
+    - ``"hybrid"``: data-parallel convolutions, tensor-parallel dense layers (Krizhevsky).
+
+    ``tensor_size`` (tensor, hybrid): the workers each dense pair splits over; the workers
+    form ``workers / tensor_size`` data-parallel groups of that many (a 2-D device mesh).
+    Default: all workers, one group.
+
+    Spelt in a config as a word (``parallelism: sharded``) or a mapping
+    (``parallelism: {kind: hybrid, tensor_size: 2}``), in Python as either or as the object.
+    """
+
+    kind: str = "data"
+    sync: str = "averaging"
+    tensor_size: int | None = None
+
+    @classmethod
+    def from_dict(cls, value, where: str = "parallelism") -> "ParallelPlan":
+        """The plan a config value spells: a word, a mapping or a ParallelPlan; a ConfigError
+        naming ``where`` (and the key inside it) otherwise."""
+        if isinstance(value, ParallelPlan):
+            return value.checked(where)
+        if isinstance(value, str):
+            return cls(value).checked(where)
+        if not isinstance(value, dict):
+            raise ConfigError(where, f"must be one of {', '.join(PLANS)}, or a mapping such as "
+                                     f"{{kind: hybrid, tensor_size: 2}}; got {value!r}")
+        if set(value) == {"conv", "dense"}:
+            return cls._by_layer_kind(value, where)
+        unknown = sorted(set(value) - {"kind", "sync", "tensor_size"}, key=str)
+        if unknown:
+            raise ConfigError(f"{where}.{unknown[0]}", "is not a key of a plan: give kind, sync or tensor_size")
+        return cls(**value).checked(where)
+
+    @classmethod
+    def _by_layer_kind(cls, value: dict, where: str) -> "ParallelPlan":
+        kind = _BY_LAYER_KIND.get((value["conv"], value["dense"]))
+        if kind is None:
+            raise ConfigError(where, f"per kind of layer, dl4py trains {{conv: data, dense: tensor}} (the hybrid) or "
+                                     f"{{conv: data, dense: data}}; got {value!r}")
+        note_deprecated(f"{where}: {{conv: {value['conv']}, dense: {value['dense']}}}", f"{where}: {kind}")
+        return cls(kind)
+
+    @classmethod
+    def from_training_mode(cls, mode: str, tensor_size: int | None = None, where: str = "training_mode"):
+        """The plan an earlier release's ``training_mode`` (and ``tensor_parallel_size``) named."""
+        if mode not in MODES:
+            raise ConfigError(where, f"must be one of {', '.join(MODES)}; got {mode!r}")
+        if mode in SYNCS:
+            return cls("data", sync=mode, tensor_size=tensor_size)
+        return cls(mode, tensor_size=tensor_size)
+
+    def checked(self, where: str = "parallelism") -> "ParallelPlan":
+        """The plan, or a ConfigError naming the field that is wrong."""
+        if self.kind not in PLANS:
+            raise ConfigError(where, f"must be one of {', '.join(PLANS)}; got {self.kind!r}")
+        if self.sync not in SYNCS:
+            raise ConfigError(f"{where}.sync", f"must be one of {', '.join(SYNCS)}; got {self.sync!r}")
+        if self.kind != "data" and self.sync != "averaging":
+            raise ConfigError(f"{where}.sync", f"applies to the data plan only: {self.kind} meets every step")
+        if self.tensor_size is not None:
+            if self.kind not in ("tensor", "hybrid"):
+                raise ConfigError(f"{where}.tensor_size", f"applies to the tensor and hybrid plans only, not {self.kind!r}")
+            if not _is_int(self.tensor_size, minimum=1):
+                raise ConfigError(f"{where}.tensor_size", f"must be a positive integer, got {self.tensor_size!r}")
+        return self
+
+    @property
+    def mode(self) -> str:
+        """The rank program's name for this plan: averaging, shared_gradients, sharded, tensor
+        or hybrid."""
+        return self.sync if self.kind == "data" else self.kind
+
+    def to_dict(self):
+        """The shortest config spelling: the word alone when nothing else is set."""
+        if self == ParallelPlan(self.kind):
+            return self.kind
+        shown = {"kind": self.kind}
+        if self.sync != "averaging":
+            shown["sync"] = self.sync
+        if self.tensor_size is not None:
+            shown["tensor_size"] = self.tensor_size
+        return shown
+
+    def __str__(self) -> str:
+        text = self.to_dict()
+        return text if isinstance(text, str) else "{" + ", ".join(f"{k}: {v}" for k, v in text.items()) + "}"
+
+
+def note_deprecated(old: str, new: str) -> None:
+    """One line, once per process, for a spelling that still works: what to write instead."""
+    if old not in _noted:
+        _noted.add(old)
+        log.warning("%s is deprecated (it still works): write %s", old, new)
 
 
 @dataclass(frozen=True)
@@ -36,18 +154,13 @@ class ParallelOptions:
     - ``averaging_frequency``: rounds between parameter averages (averaging mode; default 1).
     - ``report_score_after_averaging``: log the averaged score and the averaging time.
     - ``average_updaters``: average the updater state too (averaging mode; default on).
-    - ``training_mode``: ``"averaging"``, ``"shared_gradients"`` (all-reduce every step),
-      ``"sharded"`` (parameters, gradients and updater state split across the workers; each
-      step as shared gradients' — ``parallel/sharding.py``), ``"tensor"`` (large dense layers
-      split across the workers, which all train the same batches) or ``"hybrid"`` (data
-      parallel convolutions, tensor parallel dense layers — ``parallel/tensor_parallel.py``).
+    - ``parallelism``: the plan (``ParallelPlan``, or its spelling: ``"data"``, ``"sharded"``,
+      ``"tensor"``, ``"hybrid"``, ``{"kind": "data", "sync": "shared_gradients"}``,
+      ``{"kind": "hybrid", "tensor_size": 2}``); default: data parallel with averaging.
     - ``devices``: e.g. ``["cuda:0", "cuda:1"]`` or ``["cpu"]`` (default: the model's backend).
     - ``timeout``: seconds any wait on another process may last before it is an error; a
       rank kept waiting that long at a collective has the rank that did not arrive named,
       with the phase it is in, and the fit ends (``parallel/watchdog.py``).
-    - ``tensor_parallel_size``: ranks each dense pair is split over (``"tensor"``, ``"hybrid"``;
-      it divides ``workers``): the workers form ``workers / size`` data-parallel groups of
-      that many (a 2-D device mesh). Default: all workers, one group.
 
     ``validated`` is true for what ``validate`` returned (and its pickled copies); an object
     made or ``replace``d since is not, and a trainer given one validates it first.
@@ -58,10 +171,9 @@ class ParallelOptions:
     averaging_frequency: int | None = None
     report_score_after_averaging: bool = False
     average_updaters: bool | None = None
-    training_mode: str = "averaging"
+    parallelism: ParallelPlan = ParallelPlan()
     devices: tuple[str, ...] | None = None
     timeout: float = 300.0
-    tensor_parallel_size: int | None = None
     # Not an option: set by validate alone. replace() makes a copy with it False.
     validated: bool = field(default=False, init=False, repr=False, compare=False)
 
@@ -76,15 +188,14 @@ class ParallelOptions:
         def key(name: str) -> str:
             return f"{where}.{name}" if where else name
 
-        if self.training_mode not in MODES:
-            raise ConfigError(key("training_mode"), f"must be one of {', '.join(MODES)}; got {self.training_mode!r}")
-        if self.training_mode in STEP_MODES:
+        plan = ParallelPlan.from_dict(self.parallelism, key("parallelism"))
+        if plan.mode in STEP_MODES:
             # An option that cannot apply is an error, not silently ignored as DL4J did.
             for name, unset in (("averaging_frequency", None), ("average_updaters", None),
                                 ("report_score_after_averaging", False)):
                 if getattr(self, name) != unset:
-                    raise ConfigError(key(name), f"applies to training_mode 'averaging' only: "
-                                                 f"{self.training_mode} keeps every replica identical")
+                    raise ConfigError(key(name), f"applies to the data plan with averaging only: "
+                                                 f"parallelism {plan} keeps every replica identical")
         for name in ("workers", "averaging_frequency"):
             value = getattr(self, name)
             if value is not None and not _is_int(value, minimum=1):
@@ -97,15 +208,8 @@ class ParallelOptions:
                 raise ConfigError(key(name), f"must be true or false, got {value!r}")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
             raise ConfigError(key("timeout"), f"must be a positive number of seconds, got {self.timeout!r}")
-        size = self.tensor_parallel_size
-        if size is not None:
-            if self.training_mode not in ("tensor", "hybrid"):
-                raise ConfigError(key("tensor_parallel_size"), f"applies to training_mode 'tensor' or 'hybrid' only, "
-                                                               f"not {self.training_mode!r}")
-            if not _is_int(size, minimum=1):
-                raise ConfigError(key("tensor_parallel_size"), f"must be a positive integer, got {size!r}")
-            if self.workers is not None:
-                self.mesh_shape(self.workers, key("tensor_parallel_size"))
+        if plan.tensor_size is not None and self.workers is not None:
+            replace(self, parallelism=plan).mesh_shape(self.workers, key("parallelism.tensor_size"))
         devices = self.devices
         if devices is not None:
             if isinstance(devices, (str, torch.device)) or not hasattr(devices, "__iter__"):
@@ -114,7 +218,7 @@ class ParallelOptions:
             devices = tuple(device_name(d, key(f"devices[{i}]")) for i, d in enumerate(devices))
             if not devices:
                 raise ConfigError(key("devices"), "must name at least one device")
-        checked = replace(self, devices=devices, timeout=float(self.timeout))
+        checked = replace(self, parallelism=plan, devices=devices, timeout=float(self.timeout))
         object.__setattr__(checked, "validated", True)  # frozen: only validate sets it
         return checked
 
@@ -128,12 +232,12 @@ class ParallelOptions:
     def averages_updater_state(self) -> bool:
         return self.average_updaters is not False
 
-    def mesh_shape(self, world: int, where: str = "tensor_parallel_size") -> tuple[int, ...]:
+    def mesh_shape(self, world: int, where: str = "parallelism.tensor_size") -> tuple[int, ...]:
         """The device mesh of a tensor or hybrid fit over ``world`` ranks: ``(world,)``, or
-        ``(data groups, tensor_parallel_size)``; a ConfigError (at ``where``) when the size
-        does not divide ``world`` (checked again where the number of ranks is known: a
-        default or torchrun's)."""
-        size = self.tensor_parallel_size
+        ``(data groups, tensor_size)``; a ConfigError (at ``where``) when the size does not
+        divide ``world`` (checked again where the number of ranks is known: a default or
+        torchrun's)."""
+        size = self.parallelism.tensor_size
         if size is None or size == world:
             return (world,)
         if world % size:
@@ -147,6 +251,7 @@ def given_options(options: ParallelOptions | None, keywords: dict, owner: str) -
     when already validated (a run config's, the driver's in a Spark task), else the keyword
     arguments. A keyword changed from its default beside ``options`` is an error: which of the
     two would win is not for the trainer to guess."""
+    keywords = fold_training_mode(keywords, owner)
     if options is None:
         return ParallelOptions(**keywords).validate()
     if not isinstance(options, ParallelOptions):
@@ -156,6 +261,25 @@ def given_options(options: ParallelOptions | None, keywords: dict, owner: str) -
         if value != getattr(defaults, name):
             raise ConfigError(name, f"is given to {owner} twice, as a keyword and in options: give it in one")
     return options if options.validated else options.validate()
+
+
+def fold_training_mode(keywords: dict, owner: str) -> dict:
+    """``keywords`` with an earlier release's ``training_mode`` and ``tensor_parallel_size``
+    (None: not given) folded into ``parallelism`` (None: the default plan), noted once as
+    deprecated; both spellings at once are an error."""
+    keywords = dict(keywords)
+    mode, size = keywords.pop("training_mode", None), keywords.pop("tensor_parallel_size", None)
+    if keywords.get("parallelism") is None:
+        keywords.pop("parallelism", None)
+    if mode is None and size is None:
+        return keywords
+    old = ", ".join(f"{name}={value!r}" for name, value in (("training_mode", mode), ("tensor_parallel_size", size))
+                    if value is not None)
+    if "parallelism" in keywords:
+        raise ConfigError("parallelism", f"and {old} both choose the plan for {owner}: give parallelism alone")
+    plan = ParallelPlan.from_training_mode(mode or "averaging", size, "training_mode").checked("parallelism")
+    note_deprecated(f"{owner}({old})", f"{owner}(parallelism={plan.to_dict()!r})")
+    return {**keywords, "parallelism": plan}
 
 
 def device_name(device, where: str) -> str:
@@ -182,20 +306,20 @@ def check_mode_fits_model(mode: str, model) -> None:
     if mode == "sharded" and model.accumulate_batches > 1:
         # FSDP reduces every backward's gradients, and a rank sitting a round out would have
         # to join each backward of its window: not done yet.
-        raise ConfigError("training.accumulate_batches", "is not supported with training_mode 'sharded' yet: "
-                                                         "use a larger batch, or the shared_gradients mode")
+        raise ConfigError("training.accumulate_batches", "is not supported with parallelism sharded yet: use a "
+                                                         "larger batch, or {kind: data, sync: shared_gradients}")
     if mode == "hybrid" and model.accumulate_batches > 1:
         # Each rank weighs its batch by its own rows, but the loss is its tensor group's over the
         # gathered rows: a short or empty batch (an epoch's last) would weigh the same gradient
         # differently on the ranks of one group, or divide by zero.
-        raise ConfigError("training.accumulate_batches", "is not supported with training_mode 'hybrid' yet: "
-                                                         "use a larger batch, or training_mode 'tensor'")
+        raise ConfigError("training.accumulate_batches", "is not supported with parallelism hybrid yet: "
+                                                         "use a larger batch, or parallelism tensor")
     if mode in ("tensor", "hybrid"):
         if model.kind != "multilayer":
-            raise ConfigError("training_mode", f"{mode!r} splits the dense layers of a MultiLayerNetwork; this "
+            raise ConfigError("parallelism", f"{mode!r} splits the dense layers of a MultiLayerNetwork; this "
                                                f"model is a {type(model).__name__}: use 'sharded' or a data-parallel mode")
         precision = model.precision
         if precision.master_weights or precision.uses_loss_scaling:
             raise ConfigError("training.precision", f"{precision.name!r} keeps float32 master weights or scales the "
-                                                    f"loss, which training_mode {mode!r} does not support yet: use "
-                                                    "'float', 'double' or 'mixed-bf16', or training_mode 'sharded'")
+                                                    f"loss, which parallelism {mode} does not support yet: use "
+                                                    "'float', 'double' or 'mixed-bf16', or parallelism sharded")

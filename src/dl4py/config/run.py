@@ -11,15 +11,16 @@ type-checked against the same schema as the file.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional
 
 import yaml
 
+from dl4py.backend.environment_settings import check_setting
 from dl4py.config.graph import GraphConfig, network_from_dict
 from dl4py.config.network import NetworkConfig
-from dl4py.config.parallel import ParallelOptions
+from dl4py.config.parallel import ParallelOptions, ParallelPlan, note_deprecated
 from dl4py.config.schema import ConfigBase, TaggedConfig, dataclass_from_dict, join
 from dl4py.config.yaml_loader import ConfigSyntaxError, load_json, load_yaml
 from dl4py.errors import ConfigError
@@ -34,21 +35,30 @@ class NormalizerSection(TaggedConfig):
 
     registry: ClassVar[dict[str, type]] = {}
     type_name: ClassVar[Optional[str]] = None
+    # The normalizer class of each type name: dl4py.data.normalizers registers its classes where
+    # it defines them (as nn/ registers layer builders), so that config imports nothing of data/.
+    classes: ClassVar[dict[str, type]] = {}
+
+    @classmethod
+    def builds(cls, normalizer: type) -> type:
+        """Class decorator: sections of ``normalizer.type_name`` build ``normalizer``, passing
+        their fields (its options, by the same names) as keyword arguments."""
+        if normalizer.type_name not in cls.registry:
+            raise ValueError(f"{normalizer.__name__}: {normalizer.type_name!r} is no normalizer section; "
+                             f"known: {', '.join(cls.registry)}")
+        cls.classes[normalizer.type_name] = normalizer
+        return normalizer
 
     def build(self):
         """The unfitted dl4py.data.normalizers object this section describes."""
-        raise NotImplementedError
+        options = {option.name: getattr(self, option.name) for option in fields(self)}
+        return NormalizerSection.classes[self.type_name](**options)
 
 
 @NormalizerSection.register("standardize")
 @dataclass(frozen=True)
 class StandardizeSection(NormalizerSection):
     """NormalizerStandardize: zero mean, unit variance per feature (per channel for images)."""
-
-    def build(self):
-        from dl4py.data.normalizers import NormalizerStandardize
-
-        return NormalizerStandardize()
 
 
 @NormalizerSection.register("minmax")
@@ -63,11 +73,6 @@ class MinMaxSection(NormalizerSection):
         if self.max_range <= self.min_range:
             raise ConfigError(join(where, "max_range"), f"must be above min_range ({self.min_range}), got {self.max_range}")
 
-    def build(self):
-        from dl4py.data.normalizers import NormalizerMinMaxScaler
-
-        return NormalizerMinMaxScaler(self.min_range, self.max_range)
-
 
 @NormalizerSection.register("image_scaler")
 @dataclass(frozen=True)
@@ -81,13 +86,11 @@ class ImageScalerSection(MinMaxSection):
         if not 1 <= self.max_bits <= 32:
             raise ConfigError(join(where, "max_bits"), f"must be from 1 to 32, got {self.max_bits}")
 
-    def build(self):
-        from dl4py.data.normalizers import ImagePreProcessingScaler
-
-        return ImagePreProcessingScaler(self.min_range, self.max_range, self.max_bits)
-
 
 IMAGE_KEYS = ("height", "width", "channels", "random_crop", "flip")  # dataset image_folder only
+# Examples per split of MNIST's files (data/mnist.py; their SHA-256 fixes them): a config's
+# limits are checked against these before anything is read.
+MNIST_EXAMPLES = {"train": 60_000, "test": 10_000}
 
 
 @dataclass(frozen=True)
@@ -137,14 +140,11 @@ class DataConfig(ConfigBase):
             if value is not None and value <= 0:
                 raise ConfigError(join(where, name), f"must be positive, got {value}")
         if self.dataset == "mnist":  # its size is fixed: refuse a limit before reading anything
-            from dl4py.data.mnist import EXAMPLES
-
             for name, split in (("limit_train", "train"), ("limit_test", "test")):
                 value = getattr(self, name)
-                if value is not None and value > EXAMPLES[split]:
-                    raise ConfigError(
-                        join(where, name), f"is {value}, more than the {EXAMPLES[split]} examples of MNIST's {split} set"
-                    )
+                if value is not None and value > MNIST_EXAMPLES[split]:
+                    raise ConfigError(join(where, name), f"is {value}, more than the {MNIST_EXAMPLES[split]} "
+                                                         f"examples of MNIST's {split} set")
         if self.dataset in ("csv", "image_folder") and not self.train_path:
             raise ConfigError(join(where, "train_path"), f"is required when dataset is {self.dataset!r}")
         for name in ("train_path", "test_path", "num_classes"):
@@ -197,6 +197,15 @@ class EarlyStoppingSection(ConfigBase):
             raise ConfigError(join(where, "min_delta"), f"must be zero or more, got {self.min_delta}")
 
 
+def checked_batches(value, where: str) -> int:
+    """``value`` as a number of batches per update, or a ConfigError naming ``where``
+    (``training.accumulate_batches`` here, ``Model.fit(accumulate_batches=)`` by train/accumulate.py)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(where, f"must be a positive integer (batches whose gradients make one update), "
+                                 f"got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class TrainingConfig(ConfigBase):
     epochs: int = 1
@@ -207,17 +216,17 @@ class TrainingConfig(ConfigBase):
     score_every: int = 100  # iterations between score reports (0: never)
     accumulate_batches: int = 1  # batches whose summed gradients make one update (docs/training.md)
     # ParallelWrapper options (training.workers > 1); null = the wrapper's default
-    training_mode: Literal["averaging", "shared_gradients", "sharded", "tensor", "hybrid"] = "averaging"
-    # The plan in the issue's words (docs/model-parallel.md): data | sharded | tensor, or per
-    # kind of layer, {conv: data, dense: tensor} (the hybrid). Sets training_mode; null: unset.
-    parallelism: Union[Literal["data", "sharded", "tensor"], dict[str, str], None] = None
+    # The plan (docs/model-parallel.md): data | sharded | tensor | hybrid, or a mapping such as
+    # {kind: data, sync: shared_gradients} or {kind: hybrid, tensor_size: 2}; null: data.
+    parallelism: Optional[ParallelPlan] = None
     averaging_frequency: Optional[int] = None  # rounds between averages (default 1)
-    # tensor / hybrid: ranks each dense pair is split over, dividing workers (null: all of them)
-    tensor_parallel_size: Optional[int] = None
     prefetch_buffer: int = 16  # batches each worker keeps ready
     report_score_after_averaging: bool = False
     timeout: float = 300.0  # seconds a rank may wait for another (a collective, a batch) before it is an error
     early_stopping: Optional[EarlyStoppingSection] = None
+    # An earlier release's spelling of parallelism, still read (noted as deprecated); null: not given.
+    training_mode: Optional[Literal["averaging", "shared_gradients", "sharded", "tensor", "hybrid"]] = None
+    tensor_parallel_size: Optional[int] = None
 
     def validate(self, where: str) -> None:
         for name in ("epochs", "batch_size"):
@@ -226,34 +235,30 @@ class TrainingConfig(ConfigBase):
                 raise ConfigError(join(where, name), f"must be positive, got {value}")
         if self.score_every < 0:
             raise ConfigError(join(where, "score_every"), f"must be zero or more, got {self.score_every}")
-        from dl4py.train.accumulate import checked_batches
-
         checked_batches(self.accumulate_batches, join(where, "accumulate_batches"))
         if self.workers == 1:  # options of the parallel trainer must not be silently ignored
-            for name, inert in (("training_mode", "averaging"), ("averaging_frequency", None),
+            for name, inert in (("training_mode", None), ("averaging_frequency", None),
                                 ("report_score_after_averaging", False), ("parallelism", None),
                                 ("tensor_parallel_size", None), ("timeout", 300.0)):
                 if getattr(self, name) != inert:
                     raise ConfigError(join(where, name), "applies to parallel training only: set training.workers > 1")
-        self.mode(where)
         self.parallel_options(where)  # the ParallelWrapper's own checks, under this section's keys
 
-    def mode(self, where: str = "training") -> str:
-        """The training mode ``parallelism`` names, else ``training_mode``."""
-        plan = self.parallelism
-        if plan is None or plan == "data":
-            return self.training_mode
+    def plan(self, where: str = "training") -> ParallelPlan:
+        """The plan ``parallelism`` names (the data plan when unset), or the one an earlier
+        release's ``training_mode`` and ``tensor_parallel_size`` named (noted once as deprecated)."""
+        earlier = {name: getattr(self, name) for name in ("training_mode", "tensor_parallel_size")
+                   if getattr(self, name) is not None}
+        if not earlier:
+            return self.parallelism or ParallelPlan()
+        given = ", ".join(f"{join(where, name)}: {value}" for name, value in earlier.items())
         key = join(where, "parallelism")
-        if self.training_mode != "averaging":
-            raise ConfigError(key, f"and training_mode ({self.training_mode!r}) both choose the plan: give one")
-        if isinstance(plan, str):
-            return plan
-        if plan == {"conv": "data", "dense": "tensor"}:
-            return "hybrid"
-        if plan == {"conv": "data", "dense": "data"}:
-            return self.training_mode
-        raise ConfigError(key, f"per kind of layer, dl4py trains {{conv: data, dense: tensor}} (the hybrid) or "
-                               f"{{conv: data, dense: data}}; got {plan!r}")
+        if self.parallelism is not None:
+            raise ConfigError(key, f"and {given} both choose the plan: give {key} alone")
+        plan = ParallelPlan.from_training_mode(self.training_mode or "averaging", self.tensor_parallel_size,
+                                               join(where, "training_mode")).checked(key)
+        note_deprecated(given, f"{key}: {plan}")
+        return plan
 
     def parallel_options(self, where: str = "training") -> ParallelOptions:
         """The parallel trainers' options this section sets (their defaults for the rest),
@@ -262,8 +267,7 @@ class TrainingConfig(ConfigBase):
         return ParallelOptions(workers=self.workers, prefetch_buffer=self.prefetch_buffer,
                                averaging_frequency=self.averaging_frequency,
                                report_score_after_averaging=self.report_score_after_averaging,
-                               training_mode=self.mode(where), tensor_parallel_size=self.tensor_parallel_size,
-                               timeout=self.timeout).validate(where)
+                               parallelism=self.plan(where), timeout=self.timeout).validate(where)
 
 
 @dataclass(frozen=True)
@@ -301,9 +305,7 @@ class EnvironmentConfig(ConfigBase):
         return dataclass_from_dict(cls, data, where)
 
     def validate(self, where: str) -> None:
-        from dl4py.backend.cuda_environment import check_setting  # the one rule set for every source
-
-        for name in self.__dataclass_fields__:
+        for name in self.__dataclass_fields__:  # check_setting: the one rule set for every source
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, check_setting(name, value, join(where, name)))

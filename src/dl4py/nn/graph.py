@@ -183,13 +183,15 @@ class ComputationGraph(Model):
         shapes = config.input_shapes()
         self._input_sizes = [_flat_size(shapes[name]) for name in config.inputs]
 
-    def _build(self, device: torch.device, dtype: torch.dtype):
+    def _build_module(self, device: torch.device, dtype: torch.dtype):
         generator = torch.Generator().manual_seed(self.config.seed)
-        module = build_graph_module(self.config, generator, self._masks).to(device=device, dtype=dtype)
-        kernel = optimizer_kernel(environment().fused_optimizer, self.config.updater, device,
+        return build_graph_module(self.config, generator, self._masks).to(device=device, dtype=dtype)
+
+    def _make_optimizer(self, module, plain_name):
+        # The groups come from the vertices, whatever a distributed plan renamed: plain_name unused.
+        kernel = optimizer_kernel(environment().fused_optimizer, self.config.updater, self.backend.device,
                                   loss_scaling=self.precision.uses_loss_scaling)
-        optimizer = make_optimizer(self.config.updater, param_groups(self.config, module), kernel)
-        return module, optimizer
+        return make_optimizer(self.config.updater, param_groups(self.config, module), kernel)
 
     # ---- outputs and losses ------------------------------------------------------------
     @property

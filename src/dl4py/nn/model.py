@@ -3,12 +3,16 @@
 A model owns a torch module, its optimizer, a loss, the backend it runs on, a precision
 policy, and its training counters (epochs, iterations, position in the current epoch).
 ``fit``, ``output``, ``score``, ``evaluate`` and ``save`` are the same for every model.
+
+``init`` builds in torchtitan's order: the module (``_build_module``), then a distributed
+plan's conversion of it where one is given (``init(parallelize=...)``), then the optimizer
+over the result (``make_optimizer``), so no optimizer ever steps parameters a plan replaced.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
 import torch
@@ -24,7 +28,7 @@ from dl4py.eval.roc import ROC
 from dl4py.eval.select import new_evaluation, new_roc
 from dl4py.nn.memory_format import to_channels_last, use_channels_last
 from dl4py.nn.predict import predictions, probabilities
-from dl4py.nn.serialization import save_model
+from dl4py.nn.serialization import KERNEL_KEYS, save_model
 from dl4py.nn.signature import Signature
 from dl4py.nn.training_state import TrainingState
 from dl4py.train import accumulate, loop
@@ -83,7 +87,12 @@ class Model:
         self._requested_backend, self._requested_precision = backend, precision
 
     # ---- hooks for subclasses ---------------------------------------------------------
-    def _build(self, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def _build_module(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
+        raise NotImplementedError
+
+    def _make_optimizer(self, module: nn.Module, plain_name: Callable[[str], str]) -> torch.optim.Optimizer:
+        """An optimizer over ``module``'s parameters (the stepped module: a distributed plan's
+        once converted, ``plain_name`` then giving each parameter's name in the plain module)."""
         raise NotImplementedError
 
     def loss(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -115,9 +124,18 @@ class Model:
         (``max_label``), so it costs nothing per step."""
 
     # ---- life cycle -------------------------------------------------------------------
-    def init(self) -> "Model":
-        """Create the parameters on the chosen backend, in the chosen precision. Idempotent."""
+    def init(self, parallelize=None) -> "Model":
+        """Create the parameters on the chosen backend, in the chosen precision, then the
+        optimizer over them. Idempotent.
+
+        ``parallelize(model)``: a distributed plan's conversion, run between the two in
+        torchtitan's order: it converts the built module through ``convert`` while the model
+        has no optimizer yet, and returns ``make_optimizer``'s keywords for the result (or
+        None); the optimizer is then made over the converted parameters. A plan that fails
+        leaves the model unbuilt."""
         if self.module is not None:
+            if parallelize is not None:
+                raise RuntimeError("init(parallelize=...): the model is already built; parallelize a model before init")
             return self
 
         env = environment()
@@ -129,13 +147,35 @@ class Model:
         self._check_precision_supported()
         precision, device = self.precision, self.backend.device
         build_dtype = torch.float32 if precision.master_weights else precision.param_dtype
-        module, self.optimizer = self._build(device, build_dtype)
+        module = self._build_module(device, build_dtype)
         self._channels_last = use_channels_last(env.channels_last, module, device)
         if self._channels_last:  # before the master copy is made, so both are NHWC
             module = module.to(memory_format=torch.channels_last)
         self.precision_state = precision.bind(module, device)
         self.module = self.precision_state.module
+        self.optimizer = self.make_optimizer(**self._parallelized(parallelize))
         return self
+
+    def _parallelized(self, parallelize) -> dict:
+        """Run a distributed plan's conversion of the built module (``init``); its keywords for
+        ``make_optimizer``."""
+        if parallelize is None:
+            return {}
+        try:
+            return parallelize(self) or {}
+        except BaseException:
+            self.module = self.precision_state = None  # unbuilt again: no half-converted module stays
+            raise
+
+    def make_optimizer(self, *, loop: bool = False, plain_name: Callable[[str], str] | None = None
+                       ) -> torch.optim.Optimizer:
+        """A new optimizer, without state, over the stepped module's parameters as they are now,
+        made as this model makes its optimizer (its updater config; a TorchModel's factory, or
+        its optimizer made again from its class, defaults and groups). A distributed plan
+        asks for one after converting the module: ``loop`` for torch's for-loop kernel, which
+        steps parameter by parameter, and ``plain_name(name)`` where it renamed parameters."""
+        optimizer = self._make_optimizer(self.precision_state.stepped_module, plain_name or _same_name)
+        return _for_loop(optimizer) if loop else optimizer
 
     def _check_precision_supported(self) -> None:
         device, precision = self.backend.device, self.precision
@@ -463,6 +503,20 @@ class Model:
 
 
 _warned: set[str] = set()
+
+
+def _same_name(name: str) -> str:
+    return name
+
+
+def _for_loop(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The same optimizer (class, defaults, groups; no state yet) with torch's for-loop kernel.
+    A distributed plan's parameters need it: the fused and foreach kernels take DTensors or
+    plain tensors, not both in one call, DTensor has no sharding rule for the fused ones, and
+    the foreach ones make temporaries of every shard at once (L2's gradient copies: +1/N of
+    the weights at a sharded update's peak). Equal within rounding (nn/optimizers.py)."""
+    off = {key: False for key in KERNEL_KEYS if key in optimizer.defaults}
+    return type(optimizer)([{**group, **off} for group in optimizer.param_groups], **{**optimizer.defaults, **off})
 
 
 def _fitted_on(normalizer, training):

@@ -43,15 +43,17 @@ class MultiLayerNetwork(Model):
         self._loss = RnnOutputLoss(output, self._masks) if isinstance(output, RnnOutputLayer) else OutputLoss(output)
         self._shapes = config.layer_shapes()
 
-    def _build(self, device: torch.device, dtype: torch.dtype):
+    def _build_module(self, device: torch.device, dtype: torch.dtype):
         # Parameters come from a generator seeded by the config, so the same config and
         # seed give the same network whatever else the program did with torch's RNG.
         generator = torch.Generator().manual_seed(self.config.seed)
-        module = build_module(self.config, generator, self._masks).to(device=device, dtype=dtype)
-        kernel = optimizer_kernel(environment().fused_optimizer, self.config.updater, device,
+        return build_module(self.config, generator, self._masks).to(device=device, dtype=dtype)
+
+    def _make_optimizer(self, module, plain_name):
+        # The groups come from the layers, whatever a distributed plan renamed: plain_name unused.
+        kernel = optimizer_kernel(environment().fused_optimizer, self.config.updater, self.backend.device,
                                   loss_scaling=self.precision.uses_loss_scaling)
-        optimizer = make_optimizer(self.config.updater, param_groups(self.config, module), kernel)
-        return module, optimizer
+        return make_optimizer(self.config.updater, param_groups(self.config, module), kernel)
 
     def loss(self, outputs, labels):
         return self._loss(outputs, labels)

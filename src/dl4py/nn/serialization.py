@@ -27,7 +27,7 @@ from dl4py.errors import DataError
 from dl4py.io import atomic_write_bytes
 from dl4py.nn.model_file import FORMAT, FORMAT_VERSION, ModelFile, read_model_file
 from dl4py.version import __version__
-_KERNEL_KEYS = ("foreach", "fused")  # torch.optim's implementation flags
+KERNEL_KEYS = ("foreach", "fused")  # torch.optim's implementation flags: the environment's, not the model's
 
 
 def save_model(model, path, save_updater: bool = True) -> None:
@@ -81,7 +81,7 @@ def restore_state(model, path) -> None:
 def restore_saved(model, saved: ModelFile) -> None:
     # The file is well formed (read_model_file checked it); what can still fail is its fit
     # to this model: names, shapes and optimizer groups.
-    meta, path = saved.meta, saved.path
+    path = saved.path
     try:
         model.module.load_state_dict(saved.weights)
     except RuntimeError as exc:
@@ -95,12 +95,19 @@ def restore_saved(model, saved: ModelFile) -> None:
         # Which kernel steps the parameters is the environment's choice, not the file's; torch
         # casts the loaded state (step counters) for the kernel named in the groups it is given.
         for group, current in zip(state["param_groups"], model.optimizer.param_groups):
-            group.update({key: current[key] for key in _KERNEL_KEYS if key in current})
+            group.update({key: current[key] for key in KERNEL_KEYS if key in current})
         try:
             model.optimizer.load_state_dict(state)
         except (ValueError, KeyError, TypeError, RuntimeError, IndexError) as exc:
             raise DataError(f"{path}: the saved updater state does not fit the model's optimizer: {exc!r}") from None
         _match_parameter_layouts(model.optimizer)
+    restore_meta(model, saved)
+
+
+def restore_meta(model, saved: ModelFile) -> None:
+    """What a model file holds beside the tensors: the normalizer, the counters, the loss
+    scaler's state and the last score (a distributed replica loads its tensors by name)."""
+    meta, path = saved.meta, saved.path
     if saved.normalizer is not None:
         model.normalizer = saved.normalizer
     model.training_state.load_counters(meta)
@@ -139,7 +146,7 @@ def _split_optimizer_state(state_dict: dict) -> tuple[dict, dict[str, torch.Tens
                 tensors[f"{pid}/{name}"] = value.detach().to("cpu").contiguous().clone()
             else:
                 scalars.setdefault(str(pid), {})[name] = value
-    groups = [{k: v for k, v in group.items() if k not in _KERNEL_KEYS} for group in state_dict["param_groups"]]
+    groups = [{k: v for k, v in group.items() if k not in KERNEL_KEYS} for group in state_dict["param_groups"]]
     return {"param_groups": groups, "scalars": scalars}, tensors
 
 

@@ -12,7 +12,8 @@ unless fused), and NCCL only moves CUDA tensors.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+
+from dl4py.parallel import collectives
 
 
 def stepped_parameters(model) -> list[torch.Tensor]:
@@ -39,13 +40,12 @@ def agree_on_loss_scaling(model, device: torch.device) -> None:
     own steps; afterwards the replicas are one model again, so the state a checkpoint keeps
     (worker 0's) is every worker's, and a resumed run goes on as the uninterrupted one."""
     precision = model.precision_state
-    if not precision.scales_loss or dist.get_world_size() == 1:
+    if not precision.scales_loss or collectives.world_size() == 1:
         return
     state = precision.state_dict()  # reads the scale from the device: averaging waits for it anyway
     mine = torch.tensor([state["scale"], state["_growth_tracker"], model.update_count], dtype=torch.float64,
                         device=device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
+    every = collectives.all_gather(mine)
     scale, tracker = min((float(t[0]), int(t[1])) for t in every)
     model.training_state.agree_on_updates(max(int(t[2]) for t in every))
     precision.load_state_dict({**state, "scale": scale, "_growth_tracker": tracker})
@@ -53,8 +53,7 @@ def agree_on_loss_scaling(model, device: torch.device) -> None:
 
 def _participant_count(took_part: bool, device: torch.device) -> float:
     count = torch.tensor([1.0 if took_part else 0.0], device=device)
-    dist.all_reduce(count)
-    return float(count.item())
+    return float(collectives.all_reduce(count).item())
 
 
 @torch.no_grad()
@@ -62,7 +61,7 @@ def average(tensors: list[torch.Tensor], took_part: bool) -> float:
     """Replace each tensor by its mean over the workers that took part; returns their number."""
     if not tensors:
         return 0.0
-    if dist.get_world_size() == 1:  # the mean of one is itself
+    if collectives.world_size() == 1:  # the mean of one is itself
         return 1.0
     count = _participant_count(took_part, tensors[0].device)
     if count == 0:  # nobody trained since the last average: nothing to do, on every worker alike
@@ -72,7 +71,7 @@ def average(tensors: list[torch.Tensor], took_part: bool) -> float:
     for bucket in _buckets(tensors):
         wide = torch.float64 if bucket[0].dtype == torch.float64 else torch.float32
         flat = torch.cat([t.reshape(-1).to(device=device, dtype=wide) for t in bucket]).mul_(weight)
-        dist.all_reduce(flat)
+        collectives.all_reduce(flat)
         flat = flat.div_(count).to(bucket[0].device)
         torch._foreach_copy_(bucket, [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in bucket]), bucket)])
     return count
@@ -84,7 +83,7 @@ def broadcast(tensors: list[torch.Tensor], src: int = 0) -> None:
     device = tensors[0].device if tensors else None
     for tensor in tensors:
         moved = tensor.to(device)  # the tensor itself when it is already there
-        dist.broadcast(moved, src=src)
+        collectives.broadcast(moved, src=src)
         if moved is not tensor:
             tensor.copy_(moved)
 
@@ -103,8 +102,7 @@ def mean_over_participants(value: torch.Tensor | None, took_part: bool, device: 
     """Mean of a scalar (e.g. the last minibatch loss) over the workers that took part."""
     pair = torch.tensor([float(value) if took_part and value is not None else 0.0, 1.0 if took_part else 0.0],
                         device=device, dtype=torch.float64)
-    if dist.get_world_size() > 1:
-        dist.all_reduce(pair)
+    collectives.all_reduce(pair)
     return float(pair[0] / pair[1]) if pair[1] > 0 else float("nan")
 
 

@@ -1,21 +1,22 @@
-"""A model whose parameters are distributed (DTensor: tensor parallel, FSDP2 sharded): its
-optimizer rebuilt over the converted parameters, and its state gathered whole or loaded whole.
+"""A model whose parameters are distributed (DTensor: tensor parallel, FSDP2 sharded): how it is
+made, in torchtitan's order, and its state gathered whole or loaded whole.
 
-Converting a module in place (``parallelize_module``, ``fully_shard``) replaces its
-parameters, so the optimizer built at ``init`` steps tensors the module no longer uses.
-``rebuild_optimizer`` makes the same optimizer (class, defaults, param groups) over the new
-parameters, matched by name, and moves its state (momentum, Adam's moments and step) over,
-each tensor distributed like its parameter. ``full_state``/``load_full_state`` go between a
-distributed model and the whole tensors a single process holds, keyed by parameter name
-(torch's ``torch.distributed.checkpoint.state_dict``), so a distributed run's model file
-loads in one process and back. Example, on every rank::
+``parallelize_replica`` converts a model's module for a plan (``parallelize_module``,
+``fully_shard``) before the model has an optimizer, has the model make its optimizer over
+the converted parameters (``Model.make_optimizer``), and returns the whole state to load into
+the result by name: a plain model's (``state_by_name``). ``load_state_by_name`` loads it with
+torch's ``torch.distributed.checkpoint.state_dict`` (``set_model_state_dict``,
+``set_optimizer_state_dict``, ``full_state_dict=True``), each tensor distributed like its
+parameter; a plan that renamed parameters maps the names first (``sharding.to_blocked``).
+``full_state``/``load_full_state`` go between a tensor-parallel model and the whole tensors
+a single process holds, so a distributed run's model file loads in one process and back.
+Example, on every rank::
 
-    names = parameter_names(replica)
-    parallelize_module(replica.module, mesh, plan)
-    rebuild_optimizer(replica, names)
+    state = parallelize_replica(replica, plan)  # plan(model) converts replica.module
+    load_state_by_name(replica, *state)
     model_bytes(plain_twin(replica))  # a file a single process loads
 
-All of these but ``parameter_names`` are collectives: every rank calls them, in the same order.
+All of these but ``state_by_name`` are collectives: every rank calls them, in the same order.
 """
 
 from __future__ import annotations
@@ -23,23 +24,8 @@ from __future__ import annotations
 import pickle
 
 import torch
-from torch.distributed.tensor import DTensor
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
-_WHOLE = StateDictOptions(full_state_dict=True)
-_KERNEL_KEYS = ("foreach", "fused")  # torch.optim's implementation flags
-
-
-def parameter_names(replica) -> dict[int, str]:
-    """``{id(parameter): name}`` of the module as it is now: record it before converting."""
-    _check_precision(replica)
-    return {id(p): name for name, p in replica.module.named_parameters()}
+from dl4py.nn.serialization import KERNEL_KEYS
 
 
 def optimizer_state_by_name(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict:
@@ -52,54 +38,65 @@ def optimizer_state_by_name(optimizer: torch.optim.Optimizer, names: dict[int, s
     return {"state": state, "param_groups": groups}
 
 
-def rebuild_optimizer(replica, names_before: dict[int, str]) -> torch.optim.Optimizer:
-    """Replace ``replica.optimizer`` by the same optimizer over ``replica.module``'s current
-    parameters, its groups and state carried over by parameter name (``names_before``: what
-    ``parameter_names`` said before the module was converted). Returns the new optimizer."""
-    old = replica.optimizer
-    # The last step's gradients are stale, and torch's loader takes a gradient for "state made".
-    old.zero_grad(set_to_none=True)
-    whole = optimizer_state_by_name(old, names_before)
-    params = dict(replica.module.named_parameters())
-    groups = []
-    for group in whole["param_groups"]:
-        missing = [name for name in group["params"] if name not in params]
-        if missing:
-            raise RuntimeError(f"rebuild_optimizer: the converted module has no parameters {missing}")
-        groups.append({**{k: v for k, v in group.items() if k != "params"},
-                       "params": [params[name] for name in group["params"]]})
-    defaults = dict(old.defaults)
-    if len({isinstance(p, DTensor) for p in params.values()}) > 1:
-        # torch's fused and foreach kernels take DTensors or plain tensors, not both in one
-        # call: a module only partly distributed (replicated layers) steps parameter by
-        # parameter. Equal within rounding (nn/optimizers.py); the kernel is not the model's.
-        for settings in [defaults, *groups, *whole["param_groups"]]:
-            settings.update({key: False for key in _KERNEL_KEYS if key in settings})
-    new = type(old)(groups, **defaults)
-    replica.convert(optimizer=new)
-    _load_optimizer_state(replica.module, new, whole)
-    return new
+def state_by_name(model) -> tuple[dict[str, torch.Tensor], dict]:
+    """A plain model's whole state by parameter name, as ``load_state_by_name`` takes it: its
+    stepped module's parameters and buffers (the float32 masters where kept), and its
+    optimizer's state and groups. The model's own tensors, detached: copy them where the
+    model trains on."""
+    stepped = model.stepped_module
+    names = {id(p): name for name, p in stepped.named_parameters()}
+    return dict(stepped.state_dict()), optimizer_state_by_name(model.optimizer, names)
+
+
+def parallelize_replica(replica, parallelize, state: tuple | None = None) -> tuple | None:
+    """Convert ``replica`` for a distributed plan in torchtitan's order: ``parallelize(model)``
+    converts its module (through ``Model.convert``) while it has no optimizer, and the
+    optimizer is then made over the result (``Model.init(parallelize=...)``). Returns the
+    whole state to load into it by name: ``state`` for a model not built yet (None: it starts
+    as built); a built model's module is converted in place, its optimizer made again, and
+    its own state (taken before anything changed) is returned, unless ``state`` is given."""
+    if replica.module is None:
+        replica.init(parallelize=parallelize)
+        return state
+    if state is None:
+        # The last step's gradients are stale, and torch's loader takes a gradient for "state made".
+        replica.stepped_module.zero_grad(set_to_none=True)
+        state = state_by_name(replica)
+    replica.convert(optimizer=replica.make_optimizer(**(parallelize(replica) or {})))
+    return state
 
 
 def full_state(replica) -> tuple[dict[str, torch.Tensor], dict]:
     """``(model_state_by_name, optimizer_state_by_name)``: whole tensors, as a single-process
     model of the same network holds them (every rank receives them)."""
-    _check_precision(replica)
-    model_state = get_model_state_dict(replica.module, options=_WHOLE)
-    optimizer_state = get_optimizer_state_dict(replica.module, replica.optimizer, options=_WHOLE)
+    check_precision(replica)
+    from torch.distributed.checkpoint import state_dict as dcp  # lazy: only distributed plans load it
+
+    whole = dcp.StateDictOptions(full_state_dict=True)
+    model_state = dcp.get_model_state_dict(replica.module, options=whole)
+    optimizer_state = dcp.get_optimizer_state_dict(replica.module, replica.optimizer, options=whole)
     return model_state, optimizer_state
 
 
 def load_full_state(replica, model_state: dict[str, torch.Tensor], optimizer_state: dict | None = None) -> None:
-    """Load whole tensors (``full_state``'s, or a single-process model's) into ``replica``,
-    each distributed like its parameter."""
-    _check_precision(replica)
-    set_model_state_dict(replica.module, model_state, options=_WHOLE)
+    """Load whole tensors (``full_state``'s, or a single-process model's) into a tensor-parallel
+    ``replica``, each distributed like its parameter."""
+    check_precision(replica)
+    load_state_by_name(replica, model_state, optimizer_state)
+
+
+def load_state_by_name(model, module_state: dict[str, torch.Tensor], optimizer_state: dict | None = None) -> None:
+    """Load a whole state by parameter name (``state_by_name``'s, under the model's own names)
+    into ``model``'s stepped module and optimizer, each tensor distributed like its parameter."""
+    from torch.distributed.checkpoint import state_dict as dcp  # lazy: only distributed plans load it
+
+    stepped = model.stepped_module
+    dcp.set_model_state_dict(stepped, module_state, options=dcp.StateDictOptions(full_state_dict=True))
     if optimizer_state is not None:
         # The groups loaded carry their source's kernel flags; this optimizer keeps its own.
-        kernels = [{key: group[key] for key in _KERNEL_KEYS if key in group} for group in replica.optimizer.param_groups]
-        _load_optimizer_state(replica.module, replica.optimizer, optimizer_state)
-        for group, kept in zip(replica.optimizer.param_groups, kernels):
+        kernels = [{key: group[key] for key in KERNEL_KEYS if key in group} for group in model.optimizer.param_groups]
+        _load_optimizer_state(stepped, model.optimizer, optimizer_state)
+        for group, kept in zip(model.optimizer.param_groups, kernels):
             group.update(kept)
 
 
@@ -124,7 +121,9 @@ def plain_twin(replica):
 def _load_optimizer_state(module, optimizer, named: dict) -> None:
     """Load a by-name, whole optimizer state, each tensor distributed like its parameter."""
     if any(torch.is_tensor(v) and v.dim() > 0 for values in named["state"].values() for v in values.values()):
-        set_optimizer_state_dict(module, optimizer, named, options=_WHOLE)
+        from torch.distributed.checkpoint import state_dict as dcp  # lazy: only distributed plans load it
+
+        dcp.set_optimizer_state_dict(module, optimizer, named, options=dcp.StateDictOptions(full_state_dict=True))
         return
     # Nothing to distribute (no state yet, or plain SGD's none), which torch's loader does
     # not take: the hyperparameters by group, any scalars by name.
@@ -135,7 +134,9 @@ def _load_optimizer_state(module, optimizer, named: dict) -> None:
         optimizer.state[params[name]] = dict(values)
 
 
-def _check_precision(replica) -> None:
+def check_precision(replica) -> None:
+    """NotImplementedError for a precision with float32 masters or loss scaling: tensor
+    parallelism's DTensors do not support them yet (the sharded plan's FSDP2 does)."""
     precision = replica.precision_state
     if precision.keeps_masters or precision.scales_loss:
         what = "keeps float32 master weights" if precision.keeps_masters else "scales the loss"

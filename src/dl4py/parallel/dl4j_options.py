@@ -16,7 +16,7 @@ WITHOUT_EFFECT = {
     "use_legacy_averaging": "the transport is chosen per job (NCCL between GPUs, gloo through the host otherwise)",
     "use_mq": "each worker already prefetches its own batches onto its own device (prefetch_buffer)",
     "workspace_mode": "PyTorch's caching allocator manages device memory; see the CUDA environment settings",
-    "gradients_accumulator": "training_mode='shared_gradients' all-reduces the exact mean gradient every step",
+    "gradients_accumulator": "the shared-gradients plan all-reduces the exact mean gradient every step",
     "threshold_algorithm": "gradients are shared exactly, never threshold-encoded",
     "residual_post_processor": "gradients are shared exactly, so there is no residual to process",
     "trainer_factory": "every worker runs the single-device trainer's step function",

@@ -11,7 +11,7 @@ worker that keeps the others waiting at a collective for longer than ``timeout``
 (``WorkerError``) and every worker is killed. A worker that dies is named with the phase
 it was in.
 
-A fit that needs other processes (worker count, devices, training mode, timeout, CUDA
+A fit that needs other processes (worker count, devices, plan, timeout, CUDA
 environment: ``PoolLayout``) restarts the pool; a failed fit tears it down, and the next
 fit starts a fresh one. The pool ends with ``close()``, when its owner is collected, or at
 interpreter exit, before multiprocessing's own clean-up (which would wait forever on
@@ -67,7 +67,7 @@ class PoolLayout:
     world: int
     devices: tuple[str, ...]  # worker i on devices[i % len(devices)]
     backend: str  # of the process group: nccl or gloo
-    training_mode: str
+    mode: str  # the plan's (ParallelPlan.mode)
     inbox_size: int  # batches a worker's inbox holds (iterators the coordinator deals)
     timeout: float  # of every wait on another process: the watchdog's bound on a collective
     environment: str  # the CUDA environment settings as JSON: some apply only when a process starts

@@ -6,11 +6,14 @@ under torchrun's variables (a Spark task). The launcher has set up the process g
 says where the batches come from, who sees the events and who decides on early stopping;
 the rank builds its replica from the fit's model, trains it epoch by epoch
 (``train.epoch.run_epoch``, meeting the other ranks round by round: ``round_meeting.py``)
-and reports, as a ``RankReport``.
+and reports, as a ``RankReport``. A distributed mode's replica (sharded, tensor, hybrid) is
+built directly by its plan in torchtitan's order: module, conversion, optimizer, then rank
+0's whole state loaded by name; rank 0 keeps a plain twin on the host besides.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -18,15 +21,17 @@ import torch.distributed as dist
 
 from dl4py.backend.cuda_environment import Environment
 from dl4py.config.parallel import DISTRIBUTED_MODES
-from dl4py.nn.serialization import model_bytes
+from dl4py.nn.serialization import model_bytes, restore_meta
+from dl4py.parallel import collectives
 from dl4py.parallel.averaging import broadcast, replica_state, share_gradients, stepped_parameters
+from dl4py.parallel.distributed_state import state_by_name
 from dl4py.parallel.phase import PHASE
 from dl4py.parallel.preflight import private_copy
 from dl4py.parallel.round_meeting import RoundMeeting
 from dl4py.parallel.sharding import shard_replica
 from dl4py.parallel.tensor_parallel import apply_tensor_parallel
 from dl4py.parallel.tensor_replica import TensorParallelReplica
-from dl4py.parallel.worker import WorkerSpec, build_replica, worker_device
+from dl4py.parallel.worker import WorkerSpec, build_replica, replica_to_build, worker_device
 from dl4py.train.epoch import EpochSummary, run_epoch
 from dl4py.train.listeners import Listeners
 
@@ -107,7 +112,7 @@ def run_rank(rank: int, world: int, spec: WorkerSpec, source, *, should_stop=Non
 
 
 def _replica_for(rank: int, spec: WorkerSpec, device):
-    """This rank's replica, on ``device``, at worker 0's state, as the training mode lays it
+    """This rank's replica, on ``device``, at worker 0's state, as the plan lays it
     out: ``(replica, layout)``, the layout None for the data-parallel modes."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -115,18 +120,15 @@ def _replica_for(rank: int, spec: WorkerSpec, device):
         torch.set_num_threads(spec.threads)  # workers sharing the cores must not oversubscribe them
     if spec.environment is not None:  # installed as this process's environment
         Environment.from_dict(spec.environment).apply(device)
+    if spec.options.parallelism.mode in DISTRIBUTED_MODES:
+        layout = _distributed_replica(rank, spec, device)
+        return layout.replica, layout
     replica = build_replica(spec, device)
-    replica.set_accumulate_batches(spec.accumulate_batches)  # a model file does not carry it
-    replica.module.train()
+    _ready_to_train(replica, spec)
     # All replicas start from worker 0's state, whatever each process built.
     broadcast(replica_state(replica, include_updater=True), src=0)
     replica.precision_state.after_sync()
-    if spec.options.training_mode in DISTRIBUTED_MODES:
-        # A private copy is trained distributed; rank 0 keeps a plain twin on the host (what
-        # is saved, scored and shown to the listeners, filled by each gather).
-        layout = _distributed_copy(replica, spec, device, keep_twin=rank == 0)
-        return layout.replica, layout
-    if spec.options.training_mode == "shared_gradients":
+    if spec.options.parallelism.mode == "shared_gradients":
         params = stepped_parameters(replica)
 
         def share(took_part):
@@ -150,34 +152,49 @@ def _trained_state(replica, layout, rank: int, keep_state: bool, device) -> byte
     return state[0] if keep_state else None
 
 
-def _distributed_copy(replica, spec: WorkerSpec, device, keep_twin: bool):
-    """A private copy of ``replica`` distributed over all ranks as the training mode says
-    (returns its layout), made from the model file of the state all ranks now share; and,
-    with ``keep_twin``, a plain copy on the host, which each gather fills: the whole model
-    and its updater state, which the device must not hold beside its shards."""
+def _ready_to_train(replica, spec: WorkerSpec) -> None:
+    replica.set_accumulate_batches(spec.accumulate_batches)  # a model file does not carry it
+    replica.module.train()
+
+
+def _distributed_replica(rank: int, spec: WorkerSpec, device):
+    """This rank's part of a replica the plan distributes over all ranks (returns its
+    layout), built in torchtitan's order by the mode's plan: the module, its conversion, the
+    optimizer over the result, then rank 0's whole state loaded by name (all ranks start from
+    it, as the data-parallel modes' broadcast makes them). Rank 0 keeps a plain copy on the
+    host, its twin, which each gather fills: the whole model and its updater state, which the
+    device must not hold beside its shards (saved, scored and shown to the listeners)."""
     from torch.distributed.device_mesh import init_device_mesh  # lazy: only distributed plans load it
 
-    mode = spec.options.training_mode
     torch_model = spec.torch_model
     if torch_model is not None and not isinstance(torch_model, bytes):
         torch_model = private_copy(torch_model)  # under torchrun: never convert the program's own model
-    private = replace(spec, model_file=model_bytes(replica), torch_model=torch_model)
-    working = build_replica(private, device)
-    working.set_accumulate_batches(spec.accumulate_batches)  # the model file does not carry it either
-    working.module.train()
-    # Tensor and hybrid with tensor_parallel_size: data groups x tensor groups.
+    private = replace(spec, torch_model=torch_model)
+    twin = build_replica(private, torch.device("cpu")) if rank == 0 else None
+    state = _state_of_rank_0(twin)
+    replica, saved = replica_to_build(private, device)
+    # Tensor and hybrid with a tensor_size: data groups x tensor groups.
     shape = spec.options.mesh_shape(dist.get_world_size())
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=("data", "tensor") if len(shape) == 2 else None)
-    twin = build_replica(private, torch.device("cpu")) if keep_twin else None
+    mode = spec.options.parallelism.mode
     if mode == "sharded":
-
-        return shard_replica(working, mesh, twin=twin)
-
-    plan = apply_tensor_parallel(working, mesh, hybrid=mode == "hybrid")
-    working.share_gradients(plan.gradient_hook)
-    layout = TensorParallelReplica(working, plan, twin)
-    working.lay_out(layout)
+        layout = shard_replica(replica, mesh, twin=twin, state=state)
+    else:
+        plan = apply_tensor_parallel(replica, mesh, hybrid=mode == "hybrid", state=state)
+        replica.share_gradients(plan.gradient_hook)
+        layout = TensorParallelReplica(replica, plan, twin)
+        replica.lay_out(layout)
+    restore_meta(replica, saved)  # the rest of its own file: counters, normalizer, loss scale, score
+    _ready_to_train(replica, spec)
     return layout
+
+
+def _state_of_rank_0(twin) -> tuple:
+    """Rank 0's whole state by name (its twin's: the fit's model as of its start), on every
+    rank; a copy, which shares no tensor with the twin."""
+    state = [copy.deepcopy(state_by_name(twin)) if twin is not None else None]
+    dist.broadcast_object_list(state, src=0)
+    return state[0]
 
 
 class TwinListener:
@@ -217,7 +234,7 @@ def _epoch_decision(replica, decide, rank, device, report: RankReport) -> bool:
     """Rank 0 has the (averaged) replica scored and the epoch conditions asked; all follow it."""
     reason = decide(replica) if rank == 0 else None
     flag = torch.tensor([1.0 if reason is not None else 0.0], device=device)
-    dist.broadcast(flag, src=0)
+    collectives.broadcast(flag, src=0)
     if flag.item() > 0:
         report.stop = ("EpochTerminationCondition", reason)
         return True

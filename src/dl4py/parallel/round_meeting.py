@@ -42,6 +42,7 @@ import torch.distributed as dist
 from dl4py.backend.cuda_environment import environment
 from dl4py.config.parallel import STEP_MODES
 from dl4py.errors import DataError
+from dl4py.parallel import collectives
 from dl4py.parallel.averaging import agree_on_loss_scaling, average, mean_over_participants, replica_state
 from dl4py.parallel.phase import PHASE
 from dl4py.parallel.plan import OpenRoundPlan, RoundPlan
@@ -61,7 +62,7 @@ class RoundMeeting:
     def __init__(self, rank: int, world: int, spec, source, device, report, should_stop=None):
         self.rank, self.ranks, self.spec, self.source = rank, world, spec, source
         self.device, self.report, self.should_stop = device, report, should_stop
-        self.step_mode = spec.options.training_mode in STEP_MODES
+        self.step_mode = spec.options.parallelism.mode in STEP_MODES
         self.last_loss = None  # this worker's last batch's loss in the epoch (what averaging scores)
 
     # -- the epoch's plan -------------------------------------------------------------
@@ -170,7 +171,7 @@ class RoundMeeting:
         last_round = plan.averages_after(round_index, self.rounds_per_average)
         wanted = self.should_stop() if self.should_stop is not None and last_round else None
         halt = self.should_stop is not None and last_round and _stop_vote(wanted, self.device)
-        if spec.options.training_mode == "averaging" and (last_round or stop is not None):
+        if spec.options.parallelism.mode == "averaging" and (last_round or stop is not None):
             self._average(replica, round_index)
         self.rounds_done = round_index + 1
         self.averaged = last_round or stop is not None
@@ -189,7 +190,7 @@ class RoundMeeting:
                 self.averaged = True  # a fixed plan's last round averages
             return
         accumulate.finish(replica)  # a streamed epoch's last window
-        if self.spec.options.training_mode == "averaging" and not self.averaged and self.rounds_done:
+        if self.spec.options.parallelism.mode == "averaging" and not self.averaged and self.rounds_done:
             # A streamed epoch's end is known only once no worker has a batch: average now.
             self._average(replica, self.rounds_done - 1)
 
@@ -214,14 +215,14 @@ class RoundMeeting:
     def close(self, replica, tally):
         totals = torch.tensor([tally.examples, tally.batches, float(tally.loss_sum)], dtype=torch.float64,
                               device=self.device)
-        dist.all_reduce(totals)
+        collectives.all_reduce(totals)
         if self.ranks > self.world:  # tensor parallel: each rank of a tensor group counted the same batches
             totals /= self.ranks // self.world
         all_examples, all_batches, all_loss = int(totals[0]), int(totals[1]), float(totals[2])
         skipped = tally.skipped_steps
         if skipped is not None:  # the replica that skipped most (in shared-gradients mode all skip alike)
             most = torch.tensor([float(skipped)], device=self.device)
-            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            collectives.all_reduce(most, op=dist.ReduceOp.MAX)
             skipped = int(most.item())
         report = self.report
         if all_batches == 0 and self.start == 0 and report.stop is None:  # as the single-device loop says
@@ -250,26 +251,24 @@ def _iteration_stop(conditions, last_loss, mine: bool, device) -> str | None:
     all stop in this round. The reason reported is the first firing worker's."""
     local = first_firing(conditions, float(last_loss)) if mine and last_loss is not None else None
     flag = torch.tensor([1.0 if local is not None else 0.0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    collectives.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item() == 0:
         return None
-    reasons = [None] * dist.get_world_size()
-    dist.all_gather_object(reasons, local)
+    reasons = collectives.all_gather_object(local)
     return next((f"{r} (worker {i})" for i, r in enumerate(reasons) if r is not None), "iteration condition")
 
 
 def _stop_vote(wanted, device) -> bool:
     """True on every worker if any of them wants to stop."""
     flag = torch.tensor([1.0 if wanted else 0.0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    collectives.all_reduce(flag, op=dist.ReduceOp.MAX)
     return flag.item() > 0
 
 
 def _signalled(wanted) -> tuple[str, list[int]] | None:
     """After a vote to stop, on every rank: the signal and the ranks that got one themselves
     (``wanted`` names it: "SIGTERM"), or None when only the launcher asked. Once per fit."""
-    answers = [None] * dist.get_world_size()
-    dist.all_gather_object(answers, wanted if isinstance(wanted, str) else None)
+    answers = collectives.all_gather_object(wanted if isinstance(wanted, str) else None)
     ranks = [rank for rank, answer in enumerate(answers) if answer is not None]
     return (answers[ranks[0]], ranks) if ranks else None
 
@@ -286,5 +285,5 @@ def _batches_in_round(mine: bool, device) -> int:
     """How many workers have a batch this round, 0 when none has (one small all-reduce a
     round, streamed shards only)."""
     count = torch.tensor([1.0 if mine else 0.0], device=device)
-    dist.all_reduce(count)
+    collectives.all_reduce(count)
     return int(count.item())

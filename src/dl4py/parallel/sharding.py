@@ -1,4 +1,4 @@
-"""Sharded data parallelism (``training_mode="sharded"``): ZeRO-3 on PyTorch's FSDP2.
+"""Sharded data parallelism (``parallelism="sharded"``): ZeRO-3 on PyTorch's FSDP2.
 
 Each rank holds 1/N of every parameter, of its gradient and of the updater's state
 (``fully_shard``: ``Shard(0)`` DTensors on a 1-D mesh over the ranks). A layer's weights
@@ -15,22 +15,27 @@ weights in one layer, and gathering that whole layer (with its full gradient and
 reduce-scatter buffer beside it) would leave a rank of two holding 109% of the single
 process's peak; in blocks it holds 56% (docs/model-parallel.md).
 
-The model file stays whole: ``ShardedReplica.gather`` collects the full parameters and
-updater state into a plain, unsharded twin of the model (with the blocks joined back into
-their layer), which is what is saved, scored and shown to listeners; ``shard_replica``
-starts from a plain model's state. Both directions only slice and join, so a
+``shard_replica`` goes in torchtitan's order: the model's (master) module is split into
+units and handed to ``fully_shard`` before the model has an optimizer, the optimizer is
+made over the shards, and then a plain model's whole state is loaded by name with torch's
+``set_model_state_dict``/``set_optimizer_state_dict`` (``distributed_state``), the split
+layers' names and rows mapped by ``to_blocked``. The model file stays whole:
+``ShardedReplica.gather`` collects the full parameters and updater state into a plain,
+unsharded twin of the model (``to_plain`` joins the blocks back into their layer), which is
+what is saved, scored and shown to listeners. Both directions only slice and join, so a
 sharded -> single process -> sharded round trip is bit-exact.
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dl4py.parallel.distributed_state import optimizer_state_by_name
+from dl4py.parallel.distributed_state import load_state_by_name, parallelize_replica
 
 UNIT_FRACTION = 16  # a dense layer over 1/16 of the parameters is gathered in row blocks
 # ... unless it is small anyway: each unit costs its own collectives every step, which for
@@ -121,6 +126,41 @@ def plain_name(name: str, split: dict[str, int]) -> str:
     ``1.op.weight``); other names are the same in both."""
     layer, _, rest = name.partition(".parts.")
     return f"{layer}.{rest.rpartition('.')[2]}" if rest and layer in split else name
+
+
+def to_blocked(state: dict[str, torch.Tensor], split: dict[str, int]) -> dict[str, torch.Tensor]:
+    """A plain model's state (by parameter name) under the sharded model's names: each split
+    layer's tensors cut into its blocks' rows (``row_pieces``), the inverse of ``to_plain``."""
+    out = {}
+    for name, tensor in state.items():
+        names = blocked_names(name, split)
+        out.update({name: tensor} if names is None else zip(names, row_pieces(tensor, len(names))))
+    return out
+
+
+def to_blocked_optimizer(named: dict, split: dict[str, int]) -> dict:
+    """A plain model's optimizer state by name (``optimizer_state_by_name``'s form) under the
+    sharded model's names: its shaped state cut as ``to_blocked`` cuts the parameters, each
+    scalar (Adam's step) copied into every block; each group names its layers' blocks."""
+    state = {}
+    for name, entries in named["state"].items():
+        names = blocked_names(name, split)
+        if names is None:
+            state[name] = entries
+            continue
+        for key, value in entries.items():
+            shaped = torch.is_tensor(value) and value.dim() > 0
+            pieces = row_pieces(value, len(names)) if shaped else [_copy(value) for _ in names]
+            for blocked, piece in zip(names, pieces):
+                state.setdefault(blocked, {})[key] = piece
+    groups = [{**group, "params": [n for name in group["params"] for n in (blocked_names(name, split) or [name])]}
+              for group in named["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def _copy(value):
+    """A block's own copy of a scalar: each block's optimizer counts its own steps in place."""
+    return value.clone() if torch.is_tensor(value) else value
 
 
 def to_plain(state: dict[str, torch.Tensor], split: dict[str, int]) -> dict[str, torch.Tensor]:
@@ -279,63 +319,48 @@ def _inputs_needing_gradients(module, args):
                  else a for a in args)
 
 
-def shard_replica(replica, mesh, twin=None) -> ShardedReplica:
-    """Shard an initialised plain model in place: its (master) module split into units and
-    handed to ``fully_shard``, its updater rebuilt over the shards with the state it had.
-    ``twin``: the plain model ``gather`` fills (None on ranks that need none)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict  # lazy: only distributed plans load it
+def shard_replica(replica, mesh, twin=None, state=None) -> ShardedReplica:
+    """Shard ``replica`` over ``mesh`` in torchtitan's order (``shard_module``, then the
+    optimizer made over the shards, then the whole state loaded by name). A model not built
+    yet is built so, starting from ``state`` (``distributed_state.state_by_name``'s, of a
+    plain model; None: as built); a built, plain one is converted in place, its optimizer
+    made again with the state it had. ``twin``: the plain model ``gather`` fills (None on
+    ranks that need none). Example, on every rank::
+
+        sharded = shard_replica(MultiLayerNetwork(config), init_device_mesh("cpu", (2,)))
+    """
+    split = {}
+
+    def parallelize(model) -> dict:
+        split.update(shard_module(model, mesh))
+        # The for-loop kernel: memory is why one shards (Model.make_optimizer).
+        return {"loop": True, "plain_name": partial(plain_name, split=split)}
+
+    state = parallelize_replica(replica, parallelize, state)
+    if state is not None:
+        module_state, optimizer_state = state
+        load_state_by_name(replica, to_blocked(module_state, split), to_blocked_optimizer(optimizer_state, split))
+    sharded = ShardedReplica(replica, split, mesh, twin)
+    replica.lay_out(sharded)
+    replica.share_gradients(sharded.gradient_hook)
+    return sharded
+
+
+def shard_module(model, mesh) -> dict[str, int]:
+    """The sharded plan's conversion of a model's module, before the model has an optimizer:
+    the (master) module split into units (``split_large_linears``: returns the layers cut in
+    row blocks) and each handed to ``fully_shard``. The sharded masters are what runs from
+    then on: FSDP casts each gathered unit itself (``PrecisionState.for_sharded``)."""
     from torch.distributed.fsdp import fully_shard  # lazy: only distributed plans load it
 
-    stepped = stepped_module(replica)
-    names = {id(p): n for n, p in stepped.named_parameters()}
-    named = optimizer_state_by_name(replica.optimizer, names)
-    state, groups = named["state"], named["param_groups"]
-    kernel = dict(replica.optimizer.defaults)
-    # The for-loop kernel: memory is why one shards, and the foreach kernels make temporaries
-    # of every shard at once (L2's gradient copies: +1/N of the weights at the update's peak);
-    # DTensor has no sharding rule for the fused ones anyway.
-    kernel.update(fused=False, foreach=False)
-    optimizer_class = type(replica.optimizer)
+    stepped = model.stepped_module
     split = split_large_linears(stepped)
-    policy = replica.precision_state.fsdp_policy()
+    policy = model.precision_state.fsdp_policy()
     for unit in sharding_units(stepped) + [stepped]:
         if policy is None:
             fully_shard(unit, mesh=mesh)
         else:
             fully_shard(unit, mesh=mesh, mp_policy=policy)
     stepped.register_forward_pre_hook(_inputs_needing_gradients)
-    by_name = dict(stepped.named_parameters())
-    new_groups = []
-    for group in groups:
-        params = []
-        for name in group["params"]:
-            params += [by_name[n] for n in (blocked_names(name, split) or [name])]
-        settings = {k: v for k, v in group.items() if k not in ("params", "fused", "foreach")}
-        new_groups.append({**settings, **{k: kernel[k] for k in ("fused", "foreach") if k in kernel},
-                           "params": params})
-    # The masters, sharded, are what runs now: FSDP casts them for each gathered unit.
-    replica.convert(module=stepped, optimizer=optimizer_class(new_groups, **kernel),
-                    precision_state=replica.precision_state.for_sharded(stepped))
-    if state:
-        blocked = {}
-        for name, entries in state.items():
-            names_after = blocked_names(name, split)
-            for key, value in entries.items():
-                if names_after is None:
-                    blocked.setdefault(name, {})[key] = value
-                elif torch.is_tensor(value) and value.dim() > 0:
-                    for n, piece in zip(names_after, row_pieces(value, len(names_after))):
-                        blocked.setdefault(n, {})[key] = piece
-                else:
-                    for n in names_after:
-                        blocked.setdefault(n, {})[key] = value.clone() if torch.is_tensor(value) else value
-        param_groups = [{**{k: v for k, v in g.items() if k not in ("params", "fused", "foreach")},
-                         "params": [n for name in g["params"] for n in (blocked_names(name, split) or [name])]}
-                        for g in groups]
-        set_optimizer_state_dict(stepped, replica.optimizer,
-                                 {"state": blocked, "param_groups": param_groups},
-                                 options=StateDictOptions(full_state_dict=True))
-    sharded = ShardedReplica(replica, split, mesh, twin)
-    replica.lay_out(sharded)
-    replica.share_gradients(sharded.gradient_hook)  # also drops the step made for the old module
-    return sharded
+    model.convert(module=stepped, precision_state=model.precision_state.for_sharded(stepped))
+    return split

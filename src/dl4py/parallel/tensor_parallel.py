@@ -34,7 +34,7 @@ train as one process would are refused (``gather_point``): batch normalization b
 gather (each rank's statistics apart), dropout after it (each rank's own masks on the
 replicated batch).
 
-A 2-D mesh (``("data", "tensor")``, ``tensor_parallel_size`` T of W ranks): rank r is in
+A 2-D mesh (``("data", "tensor")``, the plan's ``tensor_size`` T of W ranks): rank r is in
 data group r // T at tensor position r % T. The dense pairs split over the ranks of one
 tensor group (the "tensor" sub-mesh) and the hybrid gathers within it; the W / T groups are
 data-parallel: after each backward every gradient (a split weight's local shard, a whole
@@ -45,6 +45,12 @@ Accumulation (``accumulate_batches`` k): the hook runs once per window, on the s
 gradients, so tensor mode's data groups average their window's gradients as shared-gradients
 workers do. The hybrid refuses it (``options.check_mode_fits_model``): each rank weighs its
 batch by its own rows, but the loss is its tensor group's over the gathered rows.
+
+The conversion goes in torchtitan's order (``apply_tensor_parallel``): the module's dense
+pairs are split (``split_dense_pairs``) before the model has an optimizer, the optimizer is
+made over the result, and a plain model's whole state is then loaded by name
+(``distributed_state.load_full_state``: torch's ``set_model_state_dict`` and
+``set_optimizer_state_dict``), each tensor distributed like its parameter.
 
 Not yet: precisions with float32 master weights or loss scaling (``bfloat16``, ``half``,
 ``mixed-fp16``; ``distributed_state``); ``float``, ``double`` and ``mixed-bf16`` work.
@@ -59,7 +65,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dl4py.errors import ConfigError
-from dl4py.parallel.distributed_state import parameter_names, rebuild_optimizer
+from dl4py.parallel.distributed_state import check_precision, load_full_state, parallelize_replica
 
 MODES = ("tensor", "hybrid")
 
@@ -138,23 +144,22 @@ class TensorParallelPlan:
         return round_index * self.data_workers + self.data_rank(rank)
 
 
-def apply_tensor_parallel(replica, mesh, hybrid: bool = False) -> TensorParallelPlan:
-    """Convert an initialised MultiLayerNetwork ``replica`` in place, on every rank of
-    ``mesh``: 1-D (``init_device_mesh(device_type, (world,))``), or 2-D with dimensions
-    named ``("data", "tensor")`` (data-parallel groups of tensor-parallel ranks). Its dense
-    pairs split over the tensor ranks, its optimizer rebuilt over the new parameters with its
-    state split alike; with ``hybrid`` the layers before the first dense layer stay
-    data-parallel. Install the returned plan's ``gradient_hook`` with
-    ``replica.share_gradients`` (before the first ``train_step``: that rebuilds the step
-    over the new parameters). Example::
+def apply_tensor_parallel(replica, mesh, hybrid: bool = False, state=None) -> TensorParallelPlan:
+    """Convert a MultiLayerNetwork ``replica`` on every rank of ``mesh``: 1-D
+    (``init_device_mesh(device_type, (world,))``), or 2-D with dimensions named
+    ``("data", "tensor")`` (data-parallel groups of tensor-parallel ranks). In torchtitan's
+    order: its dense pairs split over the tensor ranks (``split_dense_pairs``), then its
+    optimizer made over the result, then the whole state loaded by name; with ``hybrid`` the
+    layers before the first dense layer stay data-parallel. A model not built yet is built
+    so, starting from ``state`` (``distributed_state.state_by_name``'s; None: as built); a
+    built one is converted in place, its optimizer made again with the state it had. Install
+    the returned plan's ``gradient_hook`` with ``replica.share_gradients`` (before the first
+    ``train_step``). Example::
 
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "tensor"))
         plan = apply_tensor_parallel(replica, mesh, hybrid=True)
         replica.share_gradients(plan.gradient_hook)
     """
-    from torch.distributed.tensor import DTensor  # lazy: only distributed plans load it
-    from torch.distributed.tensor.parallel import parallelize_module  # lazy: only distributed plans load it
-
     if mesh.ndim == 1:
         tensor_mesh, data_group = mesh, None
     elif mesh.ndim == 2 and mesh.mesh_dim_names == ("data", "tensor"):
@@ -164,46 +169,68 @@ def apply_tensor_parallel(replica, mesh, hybrid: bool = False) -> TensorParallel
                          f"got {mesh.ndim} dimensions named {mesh.mesh_dim_names}")
     if getattr(replica, "kind", None) != "multilayer":
         raise TypeError(f"tensor parallelism needs a MultiLayerNetwork, got {type(replica).__name__}")
-    replica.init()
-    module = replica.module
+    plan = TensorParallelPlan("hybrid" if hybrid else "tensor", mesh.size(), {},
+                              data_groups=1 if data_group is None else mesh.size(0))
+    state = parallelize_replica(replica, lambda model: split_dense_pairs(model, plan, tensor_mesh, data_group), state)
+    if state is not None:
+        load_full_state(replica, *state)
+    return plan
+
+
+def split_dense_pairs(model, plan: TensorParallelPlan, tensor_mesh, data_group=None) -> dict:
+    """The tensor and hybrid plans' conversion of a model's module, before the model has an
+    optimizer: its dense pairs split over ``tensor_mesh`` (``plan.layers``), the hybrid's
+    gather and gathered loss installed, and ``plan.gradient_hook`` made. Returns
+    ``make_optimizer``'s keywords: torch's for-loop kernel where some parameters are now
+    DTensors beside plain ones (the fused and foreach kernels take one kind per call)."""
+    from torch.distributed.tensor import DTensor  # lazy: only distributed plans load it
+    from torch.distributed.tensor.parallel import parallelize_module  # lazy: only distributed plans load it
+
+    module = model.module
     if any(isinstance(p, DTensor) for p in module.parameters()):
         raise RuntimeError("apply_tensor_parallel: this replica is already distributed; convert a fresh copy")
-    layers = tensor_parallel_plan(module)
-    gather_at = gather_point(module) if hybrid else None  # checked before anything changes
-    names = parameter_names(replica)
-    if layers:
-        parallelize_module(module, tensor_mesh, layers)
-    rebuild_optimizer(replica, names)
-    plan = TensorParallelPlan("hybrid" if hybrid else "tensor", mesh.size(), layers,
-                              data_groups=1 if data_group is None else mesh.size(0))
-    stepped = [p for p in module.parameters() if p.requires_grad]
-    if hybrid:
-        group = tensor_mesh.get_group()
-        module[gather_at].register_forward_pre_hook(lambda _layer, args: (gather_rows(args[0], group),) + args[1:])
-        loss = _GatheredLoss(replica.loss, group)  # labels join their gathered rows
-        replica.convert(loss=loss)
-        plan.data_parallel = [name for name, p in module[:gather_at].named_parameters() if p.requires_grad]
-        params = [p for p in module[:gather_at].parameters() if p.requires_grad]
-
-        def share(took_part):
-            if not took_part:  # the others wait in the gather for this rank's rows: stop loudly
-                raise RuntimeError(
-                    f"hybrid parallelism: rank {dist.get_rank()} stepped without a batch; every rank "
-                    "must step in every round, with an empty batch (no rows) where its data ran out"
-                )
-            if params:
-                sum_gradients(params, group)
-            if data_group is not None:  # a tensor group whose ranks all had no rows counts for nothing
-                had_rows, loss.rows = loss.rows > 0, 0
-                average_gradients(stepped, data_group, had_rows)
-
-        plan.gradient_hook = share
+    plan.layers = tensor_parallel_plan(module)
+    gather_at = gather_point(module) if plan.mode == "hybrid" else None  # checked before anything changes
+    check_precision(model)
+    if plan.layers:
+        parallelize_module(module, tensor_mesh, plan.layers)
+    if plan.mode == "hybrid":
+        plan.gradient_hook = _hybrid_hook(model, plan, tensor_mesh.get_group(), data_group, gather_at)
     elif data_group is not None:
+        stepped = [p for p in module.parameters() if p.requires_grad]
+
         def share(took_part):  # a data group without a batch (an epoch's short last round) counts for nothing
             average_gradients(stepped, data_group, took_part)
 
         plan.gradient_hook = share
-    return plan
+    return {"loop": bool(plan.layers)}
+
+
+def _hybrid_hook(model, plan: TensorParallelPlan, group, data_group, gather_at: int):
+    """The hybrid's gather of the batch at the first dense layer and its gathered loss, put
+    on ``model``; returns the gradient hook: the data-parallel layers' gradients summed over
+    the tensor ``group``, and on a 2-D mesh every gradient averaged over the data groups."""
+    module = model.module
+    stepped = [p for p in module.parameters() if p.requires_grad]
+    module[gather_at].register_forward_pre_hook(lambda _layer, args: (gather_rows(args[0], group),) + args[1:])
+    loss = _GatheredLoss(model.loss, group)  # labels join their gathered rows
+    model.convert(loss=loss)
+    plan.data_parallel = [name for name, p in module[:gather_at].named_parameters() if p.requires_grad]
+    params = [p for p in module[:gather_at].parameters() if p.requires_grad]
+
+    def share(took_part):
+        if not took_part:  # the others wait in the gather for this rank's rows: stop loudly
+            raise RuntimeError(
+                f"hybrid parallelism: rank {dist.get_rank()} stepped without a batch; every rank "
+                "must step in every round, with an empty batch (no rows) where its data ran out"
+            )
+        if params:
+            sum_gradients(params, group)
+        if data_group is not None:  # a tensor group whose ranks all had no rows counts for nothing
+            had_rows, loss.rows = loss.rows > 0, 0
+            average_gradients(stepped, data_group, had_rows)
+
+    return share
 
 
 class _GatherRows(torch.autograd.Function):

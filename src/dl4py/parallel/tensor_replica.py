@@ -1,6 +1,7 @@
 """A tensor-parallel or hybrid replica as the rank program sees it (``parallel_layout``).
 
-``tensor_parallel.apply_tensor_parallel`` converts the model; this is its
+``tensor_parallel.apply_tensor_parallel`` converts the model (its dense pairs split before
+its optimizer is made over them, then the whole state loaded by name); this is its
 ``layout.DistributedLayout``, as ``sharding.ShardedReplica`` is the sharded mode's: how many
 workers the batches are dealt to (and, where fewer than the ranks, which of them a rank is:
 ``data_rank``), what a rank without a batch in a round steps with, and ``gather``, which

@@ -3,7 +3,9 @@
 Every rank of a parallel fit (a pool's worker, a process torchrun launched, a Spark task)
 gets one ``WorkerSpec``, plain picklable data, and builds its replica on its own device
 with ``build_replica``; ``rank.run_rank`` then trains it epoch by epoch
-(``train.epoch.run_epoch`` with a ``round_meeting.RoundMeeting``).
+(``train.epoch.run_epoch`` with a ``round_meeting.RoundMeeting``). A distributed mode's
+replica is built by its plan instead (module, conversion, then optimizer): the rank takes
+it unbuilt from ``replica_to_build``, with its model file.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import torch
 
 from dl4py.backend import Backend, Precision
 from dl4py.config.parallel import ParallelOptions
-from dl4py.nn.loading import load
+from dl4py.nn.declared_shapes import check_weights_declared
+from dl4py.nn.loading import load, network_model
+from dl4py.nn.model_file import ModelFile, read_model_file
 from dl4py.nn.serialization import restore_state
 
 
@@ -54,7 +58,7 @@ def worker_device(spec: WorkerSpec, rank: int) -> torch.device:
 
 def build_replica(spec: WorkerSpec, device: torch.device):
 
-    backend = Backend("gpu" if device.type == "cuda" else "cpu", device, "parallel worker")
+    backend = _backend(device)
     if spec.torch_model is None:
         return load(spec.model_file, backend=backend, precision=spec.precision)
     model = spec.torch_model
@@ -65,3 +69,21 @@ def build_replica(spec: WorkerSpec, device: torch.device):
     # else the launched process's own model (torchrun, Spark), built where its program built it
     restore_state(model, spec.model_file)
     return model
+
+
+def replica_to_build(spec: WorkerSpec, device: torch.device) -> tuple:
+    """``(model, model_file)``: the fit's model for this worker's device, not built yet (a
+    distributed plan builds it: ``Model.init(parallelize=...)``), and its model file, read,
+    which holds the state it starts from. ``spec.torch_model`` must be a private copy (bytes)."""
+    backend = _backend(device)
+    saved: ModelFile = read_model_file(spec.model_file)
+    if spec.torch_model is None:
+        check_weights_declared(saved)  # before the build: the config alone might ask for terabytes
+        return network_model(saved.config, backend=backend, precision=spec.precision or saved.meta["precision"]), saved
+    model = torch.load(io.BytesIO(spec.torch_model), map_location="cpu", weights_only=False)
+    model.place(backend, spec.precision)
+    return model, saved
+
+
+def _backend(device: torch.device) -> Backend:
+    return Backend("gpu" if device.type == "cuda" else "cpu", device, "parallel worker")

@@ -41,7 +41,13 @@ from pathlib import Path
 import torch
 
 from dl4py.backend.cuda_environment import environment
-from dl4py.config.parallel import ParallelOptions, check_mode_fits_model, given_options
+from dl4py.config.parallel import (
+    ParallelOptions,
+    ParallelPlan,
+    check_mode_fits_model,
+    fold_training_mode,
+    given_options,
+)
 from dl4py.errors import ConfigError, DataError
 from dl4py.nn.model import Model, as_iterator
 from dl4py.nn.torch_model import TorchModel
@@ -85,6 +91,17 @@ class _Option:
         wrapper.options = dataclasses.replace(wrapper.options, **{self.name: value}).validate()
 
 
+class _EarlierPlanOption(_Option):
+    """``wrapper.training_mode`` and ``wrapper.tensor_parallel_size``: an earlier release's
+    spelling of the plan, read as it was and set through ``parallelism`` (noted as deprecated)."""
+
+    def __set__(self, wrapper, value):
+        mode = value if self.name == "training_mode" else wrapper.options.parallelism.mode
+        size = value if self.name == "tensor_parallel_size" else wrapper.options.parallelism.tensor_size
+        plan = fold_training_mode({"training_mode": mode, "tensor_parallel_size": size}, "ParallelWrapper")
+        wrapper.options = dataclasses.replace(wrapper.options, **plan).validate()
+
+
 class ParallelWrapper:
     """Data-parallel training. Options are DL4J's (``ParallelOptions`` says what each does);
     one that cannot apply is an error. DL4J's options that dl4py has no use for
@@ -98,10 +115,11 @@ class ParallelWrapper:
     averaging_frequency = _Option(lambda options: options.rounds_per_average)
     report_score_after_averaging = _Option()
     average_updaters = _Option(lambda options: options.averages_updater_state)
-    training_mode = _Option()
+    parallelism = _Option()
     devices = _Option(lambda options: None if options.devices is None else list(options.devices))
     timeout = _Option()
-    tensor_parallel_size = _Option()
+    training_mode = _EarlierPlanOption(lambda options: options.parallelism.mode)  # deprecated: parallelism
+    tensor_parallel_size = _EarlierPlanOption(lambda options: options.parallelism.tensor_size)  # deprecated
 
     def __init__(
         self,
@@ -111,11 +129,12 @@ class ParallelWrapper:
         averaging_frequency: int | None = None,
         report_score_after_averaging: bool = False,
         average_updaters: bool | None = None,
-        training_mode: str = "averaging",
+        parallelism: ParallelPlan | str | dict | None = None,
         devices: list | None = None,
         timeout: float = 300.0,
-        tensor_parallel_size: int | None = None,
         *,
+        training_mode: str | None = None,  # deprecated: parallelism
+        tensor_parallel_size: int | None = None,  # deprecated: parallelism
         options: ParallelOptions | None = None,
         **dl4j_options,
     ):
@@ -126,7 +145,8 @@ class ParallelWrapper:
         keywords = dict(
             workers=workers, prefetch_buffer=prefetch_buffer, averaging_frequency=averaging_frequency,
             report_score_after_averaging=report_score_after_averaging, average_updaters=average_updaters,
-            training_mode=training_mode, devices=devices, timeout=timeout, tensor_parallel_size=tensor_parallel_size,
+            parallelism=parallelism, devices=devices, timeout=timeout, training_mode=training_mode,
+            tensor_parallel_size=tensor_parallel_size,
         )
         self.options = given_options(options, keywords, "ParallelWrapper")
         self.last_records: dict[int, list[float]] = {}
@@ -212,7 +232,7 @@ class ParallelWrapper:
         refusal = iterator.replay_refusal()
         if refusal is not None:
             raise DataError(f"{where}: {refusal}")
-        if self.options.training_mode == "averaging" and not self.options.averages_updater_state:
+        if self.options.parallelism.mode == "averaging" and not self.options.averages_updater_state:
             raise DataError(f"{where}: with average_updaters=False each worker keeps its own updater state, and "
                             "the model holds worker 0's alone, so every worker would go on with worker 0's; "
                             "resume from an epoch's end, or train with average_updaters on")
@@ -231,7 +251,7 @@ class ParallelWrapper:
     def _spec(self, iterator, epochs, devices, world, record) -> WorkerSpec:
 
         cpu_workers = sum(1 for rank in range(world) if devices[rank % len(devices)] == "cpu")
-        check_mode_fits_model(self.options.training_mode, self.model)
+        check_mode_fits_model(self.options.parallelism.mode, self.model)
         return WorkerSpec(
             model_file="",  # written by the launcher, as of the fit's start
             torch_model=self.model if isinstance(self.model, TorchModel) else None,
@@ -263,7 +283,7 @@ class ParallelWrapper:
         check_picklable(spec)
         replay = EventReplay(self.model, listeners, self._controller)  # the listeners run here
         spec.relay_epochs, spec.relay_iterations = replay.relays_epochs, replay.relays_iterations
-        layout = PoolLayout(world, tuple(devices), process_group_backend(devices, world), self.options.training_mode,
+        layout = PoolLayout(world, tuple(devices), process_group_backend(devices, world), self.options.parallelism.mode,
                             max(self.options.prefetch_buffer, 1), self.options.timeout,
                             json.dumps(spec.environment, sort_keys=True, default=str))
         with tempfile.TemporaryDirectory(prefix="dl4py-parallel-") as tmp, DeferredInterrupt() as interrupt:
@@ -301,7 +321,7 @@ class ParallelWrapper:
         Model.fit reads it, each batch with the generators seeded for its position (the same
         order, resumed or not), and in tensor mode once for every rank of a tensor group."""
         shape = self.options.mesh_shape(world)  # (world,): one tensor group; (groups, tensor ranks)
-        copies = (world if len(shape) == 1 else shape[1]) if self.options.training_mode == "tensor" else 1
+        copies = (world if len(shape) == 1 else shape[1]) if self.options.parallelism.mode == "tensor" else 1
         return GroupCopies(SeededReading(iterator, getattr(self.model, "seed", 0)), copies), copies
 
     def _interrupted(self, cause: str, noun: str) -> TrainingInterrupted:

@@ -25,7 +25,7 @@ import uuid
 
 import torch
 
-from dl4py.config.parallel import ParallelOptions, given_options
+from dl4py.config.parallel import ParallelOptions, ParallelPlan, given_options
 from dl4py.errors import ConfigError, TrainingError
 from dl4py.nn.model import Model
 from dl4py.nn.torch_model import TorchModel
@@ -68,13 +68,14 @@ class SparkTrainer:
 
     def __init__(self, model: Model, workers: int | None = None, *, spark=None, prefetch_buffer: int = 16,
                  averaging_frequency: int | None = None, report_score_after_averaging: bool = False,
-                 average_updaters: bool | None = None, training_mode: str = "averaging", use_gpu: bool = False,
-                 staging_dir=None, timeout: float = 300.0, tensor_parallel_size: int | None = None,
-                 options: ParallelOptions | None = None):
+                 average_updaters: bool | None = None, parallelism: ParallelPlan | str | dict | None = None,
+                 use_gpu: bool = False, staging_dir=None, timeout: float = 300.0,
+                 options: ParallelOptions | None = None,
+                 training_mode: str | None = None, tensor_parallel_size: int | None = None):  # deprecated: parallelism
         keywords = dict(workers=workers, prefetch_buffer=prefetch_buffer, averaging_frequency=averaging_frequency,
                         report_score_after_averaging=report_score_after_averaging,
-                        average_updaters=average_updaters, training_mode=training_mode, timeout=timeout,
-                        tensor_parallel_size=tensor_parallel_size)
+                        average_updaters=average_updaters, parallelism=parallelism, timeout=timeout,
+                        training_mode=training_mode, tensor_parallel_size=tensor_parallel_size)
         if (workers if options is None else options.workers) is None:
             raise ConfigError("workers", "is required: how many Spark tasks train (each one rank)")
         if not isinstance(model, Model):
@@ -157,23 +158,9 @@ class SparkTrainer:
             raise ConfigError("use_gpu" if self.use_gpu else "spark", str(exc)) from None
         runner = _Job(spark.sparkContext, distributor, job)
         outcomes = RankOutcomes()
-        settle_until = None
         try:
             runner.start()
-            while runner.is_alive():
-                try:
-                    message = server.messages.get(timeout=POLL_SECONDS)
-                except queue.Empty:
-                    message = None
-                if outcomes.take(message):
-                    if outcomes.cause_known():
-                        runner.cancel()  # the cause is known: stop the others now
-                    elif outcomes.ends and settle_until is None:  # an echo: wait a moment for its cause
-                        settle_until = time.monotonic() + SETTLE_SECONDS
-                elif message is not None:
-                    replay.handle(message)
-                if settle_until is not None and time.monotonic() > settle_until:
-                    runner.cancel()
+            _watch(runner, server, outcomes, replay)
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM from dl4py's command
             runner.cancel()
             raise TrainingInterrupted("Spark training stopped (Ctrl-C or SIGTERM): the Spark job was cancelled, "
@@ -189,24 +176,51 @@ class SparkTrainer:
             message = server.messages.get()
             if not outcomes.take(message) and not outcomes.ends and runner.error is None:
                 replay.handle(message)
-        jvm_end = jvm_exit(spark)
-        if jvm_end is not None:
-            pid, exitcode = jvm_end
-            how = exit_description(exitcode).removeprefix("was ") if exitcode < 0 else f"exit code {exitcode}"
-            raise TrainingError(f"the Spark JVM (pid {pid}) died during training ({how}), which ended every rank; "
-                                f"the model keeps its state from before this fit") from None
-        cause = outcomes.error()
-        if cause is not None:
-            if runner.error is not None:
-                log.debug("the Spark job ended with: %s", runner.error)
-            raise cause from None
+        return _job_result(spark, runner, outcomes)
+
+
+def _watch(runner: "_Job", server: EventServer, outcomes: RankOutcomes, replay: EventReplay) -> None:
+    """While the job runs: replay rank 0's events, and cancel the job once a rank's failure
+    is known (or, after a rank said only that a peer went away, once the peer's own report
+    has had ``SETTLE_SECONDS`` to arrive)."""
+    settle_until = None
+    while runner.is_alive():
+        try:
+            message = server.messages.get(timeout=POLL_SECONDS)
+        except queue.Empty:
+            message = None
+        if outcomes.take(message):
+            if outcomes.cause_known():
+                runner.cancel()  # the cause is known: stop the others now
+            elif outcomes.ends and settle_until is None:  # an echo: wait a moment for its cause
+                settle_until = time.monotonic() + SETTLE_SECONDS
+        elif message is not None:
+            replay.handle(message)
+        if settle_until is not None and time.monotonic() > settle_until:
+            runner.cancel()
+
+
+def _job_result(spark, runner: "_Job", outcomes: RankOutcomes) -> dict:
+    """Rank 0's result of the ended job, or the error that says what ended it: the JVM's
+    death, the first rank's failure, or the job's own error."""
+    jvm_end = jvm_exit(spark)
+    if jvm_end is not None:
+        pid, exitcode = jvm_end
+        how = exit_description(exitcode).removeprefix("was ") if exitcode < 0 else f"exit code {exitcode}"
+        raise TrainingError(f"the Spark JVM (pid {pid}) died during training ({how}), which ended every rank; "
+                            f"the model keeps its state from before this fit") from None
+    cause = outcomes.error()
+    if cause is not None:
         if runner.error is not None:
             log.debug("the Spark job ended with: %s", runner.error)
-            raise TrainingError(f"the Spark job failed before any rank reported an error (look at the executors' "
-                                f"logs): {spark_reason(runner.error)}") from None
-        if not isinstance(runner.result, dict):
-            raise TrainingError(f"rank 0 returned {type(runner.result).__name__}, not the trained model")
-        return runner.result
+        raise cause from None
+    if runner.error is not None:
+        log.debug("the Spark job ended with: %s", runner.error)
+        raise TrainingError(f"the Spark job failed before any rank reported an error (look at the executors' "
+                            f"logs): {spark_reason(runner.error)}") from None
+    if not isinstance(runner.result, dict):
+        raise TrainingError(f"rank 0 returned {type(runner.result).__name__}, not the trained model")
+    return runner.result
 
 
 class _Job(threading.Thread):

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 
 from dl4py.config import GraphConfig, NetworkConfig
-from dl4py.config.parallel import ParallelOptions
+from dl4py.config.parallel import ParallelOptions, ParallelPlan
 from dl4py.nn.loading import network_model
 from dl4py.spark.data import is_spark_dataframe
 from dl4py.spark.trainer import SparkTrainer
@@ -38,8 +38,8 @@ class ParameterAveragingTrainingMaster:
 
     def parallel_options(self, workers: int) -> ParallelOptions:
         """What this master asks of ``workers`` Spark tasks, validated (SparkTrainer's ``options``)."""
-        return ParallelOptions(workers=workers, training_mode="averaging", averaging_frequency=self.averaging_frequency,
-                               average_updaters=self.save_updater,
+        return ParallelOptions(workers=workers, parallelism=ParallelPlan("data"),
+                               averaging_frequency=self.averaging_frequency, average_updaters=self.save_updater,
                                prefetch_buffer=self.worker_prefetch_num_batches).validate()
 
 
@@ -54,7 +54,7 @@ class SharedTrainingMaster:
     export_directory: str | None = None
 
     def parallel_options(self, workers: int) -> ParallelOptions:
-        return ParallelOptions(workers=workers, training_mode="shared_gradients",
+        return ParallelOptions(workers=workers, parallelism=ParallelPlan("data", sync="shared_gradients"),
                                prefetch_buffer=self.worker_prefetch_num_batches).validate()
 
 
