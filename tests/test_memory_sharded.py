@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from dl4py import MultiLayerNetwork, Nesterovs, RunConfig
 from dl4py.cli import main
+from dl4py.config.parallel import ParallelPlan
 from dl4py.errors import ConfigError
 from dl4py.memory import estimate, max_parameters, measure_training_step
 from dl4py.memory.measure import cuda_allocated_besides, resident_tensors
@@ -194,6 +195,18 @@ def test_the_sharded_estimate_splits_state_by_rank_and_gathers_row_blocks():
         estimate(MLP, 64, parallelism="tensor")
     with pytest.raises(ConfigError, match="precision"):
         estimate(MLP, 64, precision="bfloat16", parallelism="sharded", workers=2)
+
+
+def test_the_estimate_names_plans_in_the_plan_vocabulary():
+    """``parallelism`` takes ParallelPlan's words or the plan itself; ``single``, an earlier
+    word for ``data``, still gives the whole replica's step."""
+    whole = estimate(MLP, 64, device="cpu")
+    assert whole.parallelism == "data"
+    assert estimate(MLP, 64, device="cpu", parallelism="single").to_dict() == whole.to_dict()
+    plan = estimate(MLP, 64, device="cpu", parallelism=ParallelPlan("sharded"), workers=4)
+    assert plan.to_dict() == estimate(MLP, 64, device="cpu", parallelism="sharded", workers=4).to_dict()
+    with pytest.raises(ConfigError, match=r"must be data or sharded \(tensor and hybrid ranks are not modelled"):
+        estimate(MLP, 64, parallelism=ParallelPlan("hybrid"))
 
 
 # -- max_parameters over N devices -------------------------------------------------------

@@ -85,7 +85,8 @@ class ParallelPlan:
 
     @classmethod
     def _by_layer_kind(cls, value: dict, where: str) -> "ParallelPlan":
-        kind = _BY_LAYER_KIND.get((value["conv"], value["dense"]))
+        given = (value["conv"], value["dense"])  # compared, not hashed: a YAML list is no key
+        kind = next((kind for pair, kind in _BY_LAYER_KIND.items() if pair == given), None)
         if kind is None:
             raise ConfigError(where, f"per kind of layer, dl4py trains {{conv: data, dense: tensor}} (the hybrid) or "
                                      f"{{conv: data, dense: data}}; got {value!r}")

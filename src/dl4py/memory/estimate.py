@@ -17,7 +17,7 @@ import torch
 from dl4py.backend.device_memory import CUDA_CONTEXT_BYTES
 from dl4py.backend.precision import resolve_precision
 from dl4py.config.graph import GraphConfig
-from dl4py.config.parallel import note_deprecated
+from dl4py.config.parallel import ParallelPlan, note_deprecated
 from dl4py.config.updaters import Updater
 from dl4py.errors import ConfigError
 from dl4py.memory import replay
@@ -46,7 +46,7 @@ __all__ = ["CUDA_CONTEXT_BYTES", "MAX_TENSOR_ELEMENTS", "LayerMemory", "MemoryRe
 
 def estimate(config, batch_size: int, precision: str | None = None, updater: Updater | None = None,
              training: bool = True, device: str | torch.device = "cuda", optimizer: str = "auto",
-             data_bytes: int = 0, as_measured: bool = False, parallelism: str = "data",
+             data_bytes: int = 0, as_measured: bool = False, parallelism: str | ParallelPlan = "data",
              workers: int = 1) -> MemoryReport:
     """Memory of one step of ``config`` (a NetworkConfig, GraphConfig or RunConfig) at ``batch_size``.
 
@@ -67,6 +67,8 @@ def estimate(config, batch_size: int, precision: str | None = None, updater: Upd
     ``workers=N``, one of N ranks training sharded (FSDP2), each on a batch of ``batch_size``
     (``memory.sharded``).
     """
+    if isinstance(parallelism, ParallelPlan):
+        parallelism = parallelism.kind
     if parallelism == "single":
         note_deprecated('estimate(parallelism="single")', 'estimate(parallelism="data")')
         parallelism = "data"
