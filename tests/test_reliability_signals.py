@@ -162,7 +162,7 @@ def test_workers_die_with_a_killed_parent(config, tmp_path):
     assert left == [], "workers still alive 10 s after their parent was killed"
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # suite budget: SIGTERM's twin above and the resume tests stay in make test
 def test_ctrl_c_in_the_first_parallel_epoch_keeps_a_checkpoint_that_resume_continues(config, tmp_path):
     out = tmp_path / "run"
     run = Run("train", config, "--workers", 2, "--output", out, "--no-progress")

@@ -220,7 +220,7 @@ def test_a_dataframe_trains_as_its_in_memory_equivalent(spark, twin):
         SparkTrainer(network(), 2).fit(df, label="label")
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # the sharded plan under torchrun's variables stays in make test (test_multinode); suite budget
 @needs_java
 def test_a_sharded_dataframe_fit_steps_as_one_process_on_each_rounds_batches(spark):
     """parallelism sharded (FSDP2) on Spark tasks: rank i reads partition i, and each
