@@ -23,6 +23,8 @@ import yaml
 from dl4py import load
 from dl4py.sweep.plan import Plan
 
+from conftest import mnist_dir  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 
 MLP = {
@@ -141,12 +143,23 @@ def test_a_sweep_folder_has_one_writer(tmp_path):
 
 # ---- 4. resume is for the same run -----------------------------------------------------------
 
+@pytest.fixture(scope="module")
+def one_trained_run(tmp_path_factory):
+    """One ``dl4py train`` run for the module's tests (a process of its own: 7 s on CI's cores)."""
+    if mnist_dir() is None:
+        pytest.skip("MNIST files not found: set DL4PY_DATA to a folder holding mnist/")
+    folder = tmp_path_factory.mktemp("trained")
+    config = write_config(folder)
+    assert dl4py("train", config, "--output", folder / "run", "--no-progress").returncode == 0
+    return folder / "run"
+
+
 @pytest.fixture
-def trained_run(tmp_path, mnist):
-    config = write_config(tmp_path)
+def trained_run(tmp_path, one_trained_run):
+    """``(config, run directory)``: the module's trained run, copied, for this test to change."""
     out = tmp_path / "run"
-    assert dl4py("train", config, "--output", out, "--no-progress").returncode == 0
-    return config, out
+    shutil.copytree(one_trained_run, out)
+    return write_config(tmp_path), out
 
 
 @pytest.mark.slow
