@@ -31,13 +31,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_cuda)
 
 
-@pytest.fixture
-def mnist():
-    """The MNIST folder; tests that train on real data skip (with the reason) without it."""
+def require_mnist() -> Path:
+    """The MNIST folder, or a skip that says how to give it (module-scoped fixtures call it:
+    they cannot take the ``mnist`` fixture)."""
     folder = mnist_dir()
     if folder is None:
         pytest.skip("MNIST files not found: set DL4PY_DATA to a folder holding mnist/")
     return folder
+
+
+@pytest.fixture
+def mnist():
+    """The MNIST folder; tests that train on real data skip (with the reason) without it."""
+    return require_mnist()
 
 
 # Set by pytest and lazily by torch itself; not a leak of the code under test.

@@ -20,10 +20,9 @@ from dl4py.nn import MultiLayerNetwork
 def saved(tmp_path_factory):
     """A small classifier trained on 256 MNIST rows, saved as a run directory's model, and
     30 test rows with labels: (run_dir, model, features, labels)."""
-    from conftest import mnist_dir
+    from conftest import require_mnist
 
-    if mnist_dir() is None:
-        pytest.skip("MNIST files not found: set DL4PY_DATA to a folder holding mnist/")
+    require_mnist()
     train = next(iter(MnistDataSetIterator(256, train=True, seed=12345, limit=256)))
     test = next(iter(MnistDataSetIterator(30, train=False, shuffle=False, limit=30)))
     config = NetworkConfig.from_dict({

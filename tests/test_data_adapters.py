@@ -37,10 +37,9 @@ def mlp() -> NetworkConfig:
 def digits():
     import os
 
-    from conftest import mnist_dir
+    from conftest import require_mnist
 
-    if mnist_dir() is None:
-        pytest.skip("MNIST files not found: set DL4PY_DATA to a folder holding mnist/")
+    require_mnist()
     assert os.environ.get("DL4PY_DATA")
     train = MnistDataSetIterator(100, train=True, seed=1, limit=2000, shuffle=False)
     test = MnistDataSetIterator(100, train=False, seed=1, limit=500, shuffle=False)

@@ -33,10 +33,9 @@ TOLERANCE = 1e-5
 @pytest.fixture(scope="module")
 def mnist_rows():
     """256 MNIST training rows (flat, 0-1) and their labels."""
-    from conftest import mnist_dir
+    from conftest import require_mnist
 
-    if mnist_dir() is None:
-        pytest.skip("MNIST files not found: set DL4PY_DATA to a folder holding mnist/")
+    require_mnist()
     batch = next(iter(MnistDataSetIterator(256, train=True, seed=12345, limit=256)))
     return batch.features, batch.labels
 

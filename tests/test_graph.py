@@ -46,10 +46,9 @@ TRAIN, TEST = 2048, 2000
 @pytest.fixture(scope="module")
 def mnist_slices():
     """Training and test slices of MNIST as tensors, flat 784-value rows."""
-    from conftest import mnist_dir
+    from conftest import require_mnist
 
-    if mnist_dir() is None:
-        pytest.skip("MNIST files not found: set DL4PY_DATA to a folder holding mnist/")
+    require_mnist()
     train = next(iter(MnistDataSetIterator(TRAIN, train=True, seed=12345, limit=TRAIN)))
     test = next(iter(MnistDataSetIterator(TEST, train=False, shuffle=False, limit=TEST)))
     return train.features, train.labels, test.features, test.labels

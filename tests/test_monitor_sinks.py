@@ -36,10 +36,9 @@ def run_config(**logging) -> RunConfig:
 def run(tmp_path_factory):
     """One run with TensorBoard and MLflow on, trained one epoch, then resumed for a second:
     both tools must show the two epochs as one run."""
-    from conftest import mnist_dir
+    from conftest import require_mnist
 
-    if mnist_dir() is None:
-        pytest.skip("MNIST files not found: set DL4PY_DATA to a folder holding mnist/")
+    require_mnist()
     from dl4py.runner import train_run
 
     tmp = tmp_path_factory.mktemp("sinks")

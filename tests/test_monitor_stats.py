@@ -56,10 +56,9 @@ class ConvByHand(TrainingListener):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """One short MNIST run, with validation, recorded in memory and in a run directory."""
-    from conftest import mnist_dir
+    from conftest import require_mnist
 
-    if mnist_dir() is None:
-        pytest.skip("MNIST files not found: set DL4PY_DATA to a folder holding mnist/")
+    require_mnist()
     run_dir = tmp_path_factory.mktemp("run")
     train = MnistDataSetIterator(BATCH, train=True, seed=1, limit=EXAMPLES)
     validation = MnistDataSetIterator(200, train=False, seed=1, shuffle=False, limit=200)

@@ -65,10 +65,9 @@ CARDS = """() => [...document.querySelectorAll('.card[id^=card-]')].map(card => 
 def runs(tmp_path_factory):
     """A finished 2-point sweep, and a `dl4py train` of many epochs paused (SIGSTOP) after its
     first: the UI test lets it go on once the page is open, so its next epoch is new to the page."""
-    from conftest import mnist_dir
+    from conftest import require_mnist
 
-    if mnist_dir() is None:
-        pytest.skip("MNIST files not found: set DL4PY_DATA to a folder holding mnist/")
+    require_mnist()
     tmp = tmp_path_factory.mktemp("ui")
     config = tmp / "mlp.yaml"
     config.write_text(MLP)

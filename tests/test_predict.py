@@ -26,10 +26,9 @@ from dl4py import (
 def classifier_on():
     """``classifier_on(device)``: an MLP trained one epoch on 1,024 MNIST images on ``device``
     with a standardizing normalizer, and 500 test images with their labels: (model, test)."""
-    from conftest import mnist_dir
+    from conftest import require_mnist
 
-    if mnist_dir() is None:
-        pytest.skip("MNIST files not found: set DL4PY_DATA to a folder holding mnist/")
+    require_mnist()
     made = {}
 
     def get(device):

@@ -23,7 +23,7 @@ import yaml
 from dl4py import load
 from dl4py.sweep.plan import Plan
 
-from conftest import mnist_dir  # noqa: E402
+from conftest import require_mnist  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -146,8 +146,7 @@ def test_a_sweep_folder_has_one_writer(tmp_path):
 @pytest.fixture(scope="module")
 def one_trained_run(tmp_path_factory):
     """One ``dl4py train`` run for the module's tests (a process of its own: 7 s on CI's cores)."""
-    if mnist_dir() is None:
-        pytest.skip("MNIST files not found: set DL4PY_DATA to a folder holding mnist/")
+    require_mnist()
     folder = tmp_path_factory.mktemp("trained")
     config = write_config(folder)
     assert dl4py("train", config, "--output", folder / "run", "--no-progress").returncode == 0

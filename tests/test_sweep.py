@@ -64,10 +64,9 @@ def read_rows(sweep_dir: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def grid_sweep(tmp_path_factory):
     """One 2x2 sweep (learning rate x batch size) on two CPU slots, shared by several tests."""
-    from conftest import mnist_dir
+    from conftest import require_mnist
 
-    if mnist_dir() is None:
-        pytest.skip("MNIST files not found: set DL4PY_DATA to a folder holding mnist/")
+    require_mnist()
     folder = tmp_path_factory.mktemp("grid")
     config = write_config(folder)
     out = folder / "sweep"

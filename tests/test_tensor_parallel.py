@@ -81,10 +81,9 @@ class PerDevice:
 @pytest.fixture(scope="module")
 def mnist_batches():
     """The STEPS MNIST batches every case trains on."""
-    from conftest import mnist_dir
+    from conftest import require_mnist
 
-    if mnist_dir() is None:
-        pytest.skip("MNIST files not found: set DL4PY_DATA to a folder holding mnist/")
+    require_mnist()
     data = MnistDataSetIterator(BATCH, train=True, seed=1, limit=BATCH * STEPS)
     return [(batch.features, batch.labels) for batch in data]
 

@@ -61,10 +61,9 @@ def _state(model) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def lenet():
     """The seed's LeNet, trained one epoch on 3,000 MNIST examples of all ten digits."""
-    from conftest import mnist_dir
+    from conftest import require_mnist
 
-    if mnist_dir() is None:
-        pytest.skip("MNIST files not found: set DL4PY_DATA to a folder holding mnist/")
+    require_mnist()
     net = MultiLayerNetwork(RunConfig.from_file(LENET_YAML).network, backend="cpu").init()
     net.fit(MnistDataSetIterator(64, train=True, seed=1, limit=3000), epochs=1, verbose=0)
     return net

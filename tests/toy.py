@@ -39,13 +39,10 @@ class DiesInItsThirdBatch(ArrayDataSetIterator):
 def trained_mnist_mlp(examples: int, batch: int):
     """An MLP 784-32-10 with a standardizing normalizer, trained one epoch on the first
     ``examples`` MNIST training images (shuffled by seed 1); skips without the MNIST files."""
-    import pytest
-
-    from conftest import mnist_dir
+    from conftest import require_mnist
     from dl4py import MnistDataSetIterator, MultiLayerNetwork, NormalizerStandardize
 
-    if mnist_dir() is None:
-        pytest.skip("MNIST files not found: set DL4PY_DATA to a folder holding mnist/")
+    require_mnist()
     train = MnistDataSetIterator(batch, train=True, seed=1, limit=examples)
     config = NetworkConfig(seed=3, updater=Sgd(learning_rate=0.1), input_type=InputType.feed_forward(784),
                            layers=[DenseLayer(n_out=32, activation="relu"), OutputLayer(n_out=10)])
