@@ -86,8 +86,11 @@ def main(fault: str, mode: str, timeout: float, out: str) -> int:
                     verbose=0)
     except TrainingInterrupted as exc:
         status = f"interrupted ({exc})"
-    print(f"rank {rank}: {status} epoch {net.epoch_count} iteration {net.iteration_count} batch {net.batch_in_epoch}",
-          flush=True)
+    # One write, newline included: the ranks share torchrun's stdout, and print's two writes
+    # (the text, then the newline) interleave with the other rank's under PYTHONUNBUFFERED.
+    sys.stdout.write(f"rank {rank}: {status} epoch {net.epoch_count} iteration {net.iteration_count} "
+                     f"batch {net.batch_in_epoch}\n")
+    sys.stdout.flush()
     return 130 if status != "completed" else 0
 
 
