@@ -16,6 +16,8 @@ endif
 DEVICE ?= gpu
 QUICK ?=
 BUDGET ?=
+# ONLY=resume,parallel: some steps (a second call runs what the first left not_run).
+ONLY ?=
 OUT ?= benchmarks/results
 # Wheels carried to a machine without network (dl4py serve's starlette and uvicorn), installed beside it.
 WHEELS ?= .whl
@@ -51,4 +53,4 @@ gpu-check:
 	@if ls $(WHEELS)/*.whl >/dev/null 2>&1; then \
 	    $(PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(WHEELS)/site $(WHEELS)/*.whl; fi
 	PYTHONPATH="$(abspath $(WHEELS))/site$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) benchmarks/gpu_check.py \
-	    --device $(DEVICE) --out $(OUT) $(if $(QUICK),--quick) $(if $(BUDGET),--budget $(BUDGET))
+	    --device $(DEVICE) --out $(OUT) $(if $(QUICK),--quick) $(if $(BUDGET),--budget $(BUDGET)) $(if $(ONLY),--only $(ONLY))

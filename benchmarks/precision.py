@@ -41,7 +41,7 @@ def state_bytes(net) -> dict:
     updater = tensor_bytes(
         v for state in net.optimizer.state.values() for v in state.values() if torch.is_tensor(v)
     )
-    masters = tensor_bytes(net.master.master_module.parameters()) if net.master is not None else 0
+    masters = tensor_bytes(net.precision_state.named_master_parameters().values())
     return {"parameters": params, "updater_state": updater, "master_weights": masters,
             "total": params + updater + masters}
 

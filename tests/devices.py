@@ -17,6 +17,18 @@ on_devices = pytest.mark.parametrize("device", DEVICES)
 BACKENDS = {"cpu": "cpu", "cuda": "gpu"}
 
 
+def gpu_per_rank(device: str, ranks: int) -> list[str] | None:
+    """The GPUs ``ranks`` ranks of a sharded, tensor or hybrid plan run on: one each (NCCL),
+    as dl4py requires (ranks sharing a GPU are refused: parallel/preflight.check_plan_transport).
+    None on the CPU. A cuda case on a machine with fewer GPUs is skipped, saying so."""
+    if device != "cuda":
+        return None
+    if torch.cuda.device_count() < ranks:
+        pytest.skip(f"{ranks} ranks of a sharded, tensor or hybrid plan need {ranks} GPUs, one each: "
+                    f"this machine has {torch.cuda.device_count()} (ranks sharing a GPU are refused)")
+    return [f"cuda:{rank}" for rank in range(ranks)]
+
+
 def backend_for(device: str) -> str:
     """dl4py's backend name for a torch device type."""
     return BACKENDS[device]

@@ -54,14 +54,17 @@ def run_ranks(program, args: tuple, ranks: int, timeout: float, errors: Path | N
 
 
 def join_group(rank: int, world: int, rendezvous: str, device: str = "cpu") -> None:
-    """This rank in a gloo group of ``world`` met at the file ``rendezvous``. On CUDA every rank
-    is on the one GPU, as dl4py's workers sharing a device are (NCCL refuses two ranks on one
-    device); on either, one thread each (the ranks share the cores)."""
+    """This rank in a group of ``world`` met at the file ``rendezvous``: gloo on the CPU; on
+    CUDA a GPU for each rank, joined by NCCL, as dl4py's sharded, tensor and hybrid plans
+    require (the callers skip on fewer GPUs: devices.gpu_per_rank). One thread each."""
     faulthandler.enable()  # a crash below Python (the GPU check saw SIGSEGV) shows where
     torch.set_num_threads(1)
+    backend = "gloo"
     if device == "cuda":
-        torch.cuda.set_device(0)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+        os.environ["LOCAL_RANK"] = str(rank)  # dl4py's gpu backend takes the GPU of its local rank
+        torch.cuda.set_device(rank)
+        backend = "nccl"
+    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world)
 
 
 def _guarded(program, rank: int, args: tuple, parent: int, forker: int, errors: str) -> None:

@@ -1,6 +1,6 @@
 """The rank programs of ``test_tensor_parallel.py``: what each of the 2 (1-D mesh) or 4 (2-D
 mesh) ranks trains, directly on converted replicas and through the rank program (``run_rank``),
-on the CPU or on the one GPU every rank shares (gloo: NCCL refuses two ranks on one device).
+on the CPU (gloo) or on a GPU each (NCCL: ranks sharing a GPU are refused).
 Rank 0 writes what the ranks ended with; the tests compare it with single-process runs.
 """
 
@@ -149,7 +149,8 @@ def fit_2d(rank: int, mode: str, device: str, accumulate: int = 1) -> bytes:
     options = ParallelOptions(workers=WORLD_2D, parallelism=ParallelPlan(mode, tensor_size=TENSOR_2D)).validate()
     spec = WorkerSpec(model_file=model_bytes(MultiLayerNetwork(toy_network(), backend="cpu").init()),
                       torch_model=None, source=own_source(data), num_batches=len(data), epochs=1, options=options,
-                      devices=["cpu" if device == "cpu" else "cuda:0"], precision="float", threads=1,
+                      devices=["cpu"] if device == "cpu" else [f"cuda:{r}" for r in range(WORLD_2D)],
+                      precision="float", threads=1,
                       accumulate_batches=accumulate)
     return run_rank(rank, WORLD_2D, spec, spec.source, keep_state=True).state
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -18,6 +19,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_check  # noqa: E402
 from gpu_check import STEPS, VERDICTS, Step, run_check  # noqa: E402
+from gpu_steps.resume import tensor_pairs  # noqa: E402
+
+from dl4py import Adam, ArrayDataSetIterator, DenseLayer, InputType, MultiLayerNetwork, NetworkConfig, OutputLayer  # noqa: E402
 
 FAKES = "gpu_check_fakes"
 HANG_BUDGET_S = 10.0  # room for the step process to start (torch imported) and record its child
@@ -148,9 +152,57 @@ def test_the_gpu_tests_step_records_each_outcome_as_pytest_prints_it(tmp_path):
     assert saved["failures"] == ["tests/test_a.py::test_d[cuda]"]
 
 
+def test_the_gpu_tests_step_records_why_each_failure_failed_as_it_happens(tmp_path, monkeypatch):
+    """A real pytest run with the step's plugin: each failure's own line (its exception, a
+    fixture's in setup) is in the result file with the outcome, not only in pytest's summary."""
+    from gpu_steps import gpu_tests
+    from gpu_steps._check import Check
+
+    (tmp_path / "test_cases.py").write_text(
+        "import pytest\n"
+        "def test_ok(): pass\n"
+        "def test_raises(): raise RuntimeError('CUDA error: an illegal memory access')\n"
+        "@pytest.fixture\n"
+        "def broken(): raise ValueError('no device')\n"
+        "def test_setup(broken): pass\n")
+    check = Check(torch.device("cpu"), quick=True, result_path=tmp_path / "result.json", work_dir=tmp_path)
+    command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-p", "gpu_steps.failure_lines",
+               "-o", "addopts=", "--rootdir", str(tmp_path), "test_cases.py"]
+    monkeypatch.chdir(tmp_path)  # as the step runs from the repository's root: one spelling of each test's id
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")])))
+    counts, failures = gpu_tests.run_streamed(command, check)
+    assert counts == {"passed": 1, "failed": 1, "errors": 1}
+    saved = json.loads((tmp_path / "result.json").read_text())["figures"]
+    assert saved["reasons"] == {
+        failures[0]: "RuntimeError: CUDA error: an illegal memory access",
+        failures[1]: "in setup: ValueError: no device"}
+
+
 def test_gpu_test_files_include_those_parametrized_over_devices():
     from gpu_steps import gpu_tests
 
     names = {Path(f).name for f in gpu_tests.gpu_test_files()}
     assert "test_fast_path.py" in names  # marks a test gpu itself
     assert any("from devices import" in (ROOT / "tests" / n).read_text() for n in names)
+
+
+@pytest.mark.parametrize("precision", ["float", "half"])  # half: float32 masters and a loss scale
+def test_the_resume_step_compares_parameters_updater_state_and_masters(precision):
+    """The resume step's comparison reads the model's public state (the redesign moved the
+    masters and the loss scale into ``precision_state``, and its rehearsal runs only under
+    make soak): every tensor is paired, and one changed value is found."""
+    def trained():
+        conf = (NetworkConfig.builder().seed(1).updater(Adam(learning_rate=0.01)).layer(DenseLayer(n_out=4))
+                .layer(OutputLayer(n_out=2)).input_type(InputType.feed_forward(3)).build())
+        net = MultiLayerNetwork(conf, precision=precision).init()
+        net.fit(ArrayDataSetIterator(np.ones((2, 3), np.float32), np.array([0, 1]), batch_size=2), verbose=0)
+        return net
+
+    a, b = trained(), trained()
+    pairs = {name: torch.equal(x, y) for name, x, y in tensor_pairs(a, b)}
+    extra = {"float": [], "half": ["loss scale"] + [f"master {n}" for n in ("0.op.weight", "0.op.bias", "1.op.weight", "1.op.bias")]}
+    assert all(pairs.values()) and len(pairs) == 4 + 3 * 4 + len(extra[precision])  # Adam: step, exp_avg, exp_avg_sq
+    assert set(extra[precision]) <= set(pairs)
+    with torch.no_grad():
+        next(iter(b.precision_state.stepped_module.parameters()))[0, 0] += 1
+    assert not all(equal for _, x, y in tensor_pairs(a, b) for equal in [torch.equal(x, y)])

@@ -31,7 +31,7 @@ from dl4py.memory.measure import cuda_allocated_besides, resident_tensors
 from dl4py.parallel.sharding import UNIT_FRACTION, shard_replica
 from dl4py.train.step import make_train_step
 
-from devices import DEVICES, backend_for
+from devices import DEVICES, backend_for, gpu_per_rank
 from ranks import join_group, run_ranks
 from step_peak import release_cuda, step_peak
 
@@ -112,6 +112,7 @@ def _rank(rank: int, folder: str, device: str, workers: int, cases: list) -> Non
 
 def measure_ranks(device: str, workers: int, cases: list) -> list[dict]:
     """Each rank's measured bytes by case id (``rank_step``'s)."""
+    gpu_per_rank(device, workers)
     with tempfile.TemporaryDirectory(prefix="dl4py-sharded-memory-") as folder:
         run_ranks(_rank, (folder, device, workers, cases), workers, RANKS_TIMEOUT_S)
         return [json.loads(Path(folder, f"peaks{rank}.json").read_text()) for rank in range(workers)]

@@ -7,9 +7,9 @@ round's batches, applied once. So a 2-worker sharded fit over batches of 8 ends 
 single process ends that steps once per round on the round's batches together (16
 examples; the last round, which worker 1 sits out, on worker 0's batch alone).
 
-The fits run on each device (tests/devices.py): on one GPU both workers share cuda:0, and the
-ParallelWrapper joins them with gloo (NCCL wants a GPU per rank); the single process they are
-compared with runs on the same device.
+The fits run on each device (tests/devices.py): on CUDA a GPU for each worker, joined by
+NCCL (ranks sharing a GPU are refused, tested below); the single process they are compared
+with runs on the same device.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dl4py.nn.loading import load
 from dl4py.parallel import ParallelPlan, ParallelWrapper
 from dl4py.parallel.sharding import RowBlocks, row_blocks, split_large_linears
 
-from devices import backend_for, on_devices, tolerance
+from devices import backend_for, gpu_per_rank, on_devices, tolerance
 from toy import DiesInItsThirdBatch  # noqa: E402
 
 WORKERS, BATCH, EXAMPLES = 2, 8, 70  # 9 batches, the last of 6: worker 1 sits the 5th round out
@@ -64,8 +64,10 @@ def model(updater, device, **options) -> MultiLayerNetwork:
 
 
 def workers_on(device) -> dict:
-    """The ParallelWrapper's device option: both workers on the one GPU, or the default (CPU)."""
-    return {"devices": ["cuda:0"]} if device == "cuda" else {}
+    """The ParallelWrapper's device option: a GPU for each worker (the case skipped on fewer),
+    or the default (CPU)."""
+    gpus = gpu_per_rank(device, WORKERS)
+    return {"devices": gpus} if gpus else {}
 
 
 def step(net, features, labels) -> None:
@@ -220,11 +222,12 @@ def test_a_killed_rank_stops_the_sharded_fit_naming_it(device):
     x, y = toy_data()
     net = model(Sgd(0.1), device)
     before = [p.detach().clone() for p in net.module.parameters()]
-    where = "cuda:0" if device == "cuda" else "cpu"
+    options = workers_on(device)
+    where = "cuda:1" if device == "cuda" else "cpu"
     # Named as a death ("was killed by SIGKILL"), not as a rank the others waited for until the
     # watchdog's timeout: the coordinator saw the process end.
     with pytest.raises(WorkerError, match=rf"worker 1 \(device {where}\) failed: was killed by SIGKILL") as info:
-        ParallelWrapper(net, workers=WORKERS, parallelism="sharded", prefetch_buffer=0, **workers_on(device)).fit(
+        ParallelWrapper(net, workers=WORKERS, parallelism="sharded", prefetch_buffer=0, **options).fit(
             DiesInItsThirdBatch(x, y, batch_size=BATCH, shuffle=False), epochs=20)
     assert info.value.rank == 1
     assert multiprocessing.active_children() == []
@@ -275,6 +278,39 @@ def test_the_parallelism_key_names_the_plan():
         mode(parallelism={"kind": "sharded", "shards": 2})
     with pytest.raises(ConfigError, match=r"training.parallelism: applies to parallel training only"):
         TrainingConfig.from_dict({"workers": 1, "parallelism": "sharded"}, "training")
+
+
+@pytest.mark.parametrize("kind", ["sharded", "tensor", "hybrid"])
+def test_ranks_that_would_share_a_gpu_are_refused_for_the_distributed_plans(kind):
+    """gloo, the transport of ranks sharing a GPU, has no CUDA all-gather: on an H200 the
+    workers of every such plan died of SIGSEGV at their first batch. Refused, naming the GPUs;
+    the data plan's all-reduce works there and is allowed."""
+    from dl4py.errors import ConfigError
+    from dl4py.parallel.preflight import check_plan_transport
+
+    plan = ParallelPlan(kind, tensor_size=2 if kind == "hybrid" else None)
+    with pytest.raises(ConfigError, match=rf"workers: is 2 on 1 GPU\(s\) \(cuda:0\): the {kind} plan needs a GPU of "
+                                          r"its own for each rank .* or parallelism data"):
+        check_plan_transport(plan, 2, ["cuda:0"])
+    with pytest.raises(ConfigError, match=r"is 4 on 2 GPU\(s\) \(cuda:0, cuda:1\)"):
+        check_plan_transport(plan, 4, ["cuda:0", "cuda:1"])
+    check_plan_transport(plan, 2, ["cuda:0", "cuda:1"])  # NCCL: a GPU each
+    check_plan_transport(plan, 2, ["cpu"])
+    check_plan_transport(ParallelPlan("data"), 2, ["cuda:0"])
+
+
+@pytest.mark.gpu
+def test_a_sharded_fit_of_two_workers_on_one_gpu_is_refused_before_any_starts():
+    import multiprocessing
+
+    from dl4py.errors import ConfigError
+
+    x, y = toy_data()
+    net = model(Sgd(0.1), "cuda")
+    with pytest.raises(ConfigError, match=r"workers: is 2 on 1 GPU\(s\) \(cuda:0\): the sharded plan needs"):
+        ParallelWrapper(net, workers=WORKERS, parallelism="sharded", devices=["cuda:0"]).fit(
+            ArrayDataSetIterator(x, y, batch_size=BATCH, shuffle=False))
+    assert multiprocessing.active_children() == []
 
 
 def test_accumulation_with_the_sharded_mode_is_refused_before_any_worker_starts():

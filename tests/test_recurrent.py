@@ -300,6 +300,24 @@ def test_lstm_sequence_classifier_learns_well_above_chance(device):
     assert accuracy > 0.85, accuracy  # chance: 0.5
 
 
+def test_on_a_gpu_a_sequence_network_without_a_length_trains_without_a_step_estimate():
+    """On a GPU, fit asks the memory estimator whether the data fits the device beside a step
+    (loop._step_bytes); a recurrent input type without a length has no step size to give, and
+    the fit must go on without it (on the first GPU run it stopped with the estimator's
+    ConfigError). With a length the estimate is there."""
+    from types import SimpleNamespace
+
+    from dl4py.train.loop import _step_bytes
+
+    x, y = _memory_task(8, 0)
+    for input_type, sized in ((InputType.recurrent(2), False), (InputType.recurrent(2, 10), True)):
+        net = MultiLayerNetwork(_conf(input_type, LastTimeStep(LSTM(n_out=4)), OutputLayer(n_out=2))).init()
+        on_a_gpu = SimpleNamespace(config=net.config, precision=net.precision,
+                                   backend=SimpleNamespace(device=torch.device("cuda", 0)))
+        step = _step_bytes(on_a_gpu, SequenceDataSetIterator(x, y, 4))
+        assert (step is not None and step > 0) if sized else step is None
+
+
 def _text(seed=0, sentences=300):
     rng = np.random.default_rng(seed)
     subjects, verbs, objects = ["the cat", "a dog", "my bird"], ["sees", "likes"], ["the mat.", "a tree."]

@@ -272,6 +272,37 @@ def test_a_dataloaders_own_generator_gives_the_resumed_epoch_its_order(device):
     assert _same(straight.module.state_dict(), per_epoch.module.state_dict())
 
 
+def test_a_loaders_generator_needs_no_weak_reference_and_few_are_remembered(monkeypatch):
+    """torch 2.11's Generator takes no weak reference (on the first GPU run: a TypeError at
+    the first epoch of any fit on a DataLoader with a generator): here weak references to a
+    generator fail as they did there, and a fit still resumes its order. dl4py remembers at
+    most ``REMEMBERED_GENERATORS`` generators; one it reseeds again counts from its first seed."""
+    import weakref
+
+    from dl4py.data import batch_stream
+
+    real = weakref.ref
+
+    class NoneToGenerators(real):  # weakref's own classes (KeyedRef) call ref.__new__ too
+        def __new__(cls, obj, *callback):
+            if isinstance(obj, torch.Generator):
+                raise TypeError(f"cannot create weak reference to {type(obj).__name__!r} object")
+            return real.__new__(cls, obj, *callback)
+
+    monkeypatch.setattr(weakref, "ref", NoneToGenerators)
+    straight = network("float", "cpu")
+    straight.fit(DataLoader(TensorDataset(*toy_rows()), batch_size=BATCH, shuffle=True,
+                            generator=torch.Generator().manual_seed(7)), epochs=2, verbose=0)
+    assert straight.epoch_count == 2
+    generators = [torch.Generator().manual_seed(seed) for seed in range(batch_stream.REMEMBERED_GENERATORS + 5)]
+    for generator in generators:
+        batch_stream._reseed(generator, 1)
+    assert len(batch_stream._FIRST_SEEDS) == batch_stream.REMEMBERED_GENERATORS
+    last = generators[-1]
+    batch_stream._reseed(last, 3)
+    assert last.initial_seed() == len(generators) - 1 + 3
+
+
 class Augmented(TensorDataset):
     """Noise from numpy's and python's global generators on every example it gives."""
 

@@ -373,7 +373,9 @@ def test_dl4py_serve_command_answers_and_stops_on_sigterm(trained, tmp_path, dev
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     model.save(run_dir / "model.dl4py")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    # The source first, the caller's path kept (where a machine without network has uvicorn).
+    paths = [str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
     process = subprocess.Popen([sys.executable, "-m", "dl4py", "serve", str(run_dir), "--port", "0",
                                 "--backend", backend_for(device)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

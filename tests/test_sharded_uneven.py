@@ -25,7 +25,7 @@ from dl4py.memory.sharded import sharding_layout
 from dl4py.parallel import ParallelWrapper
 from dl4py.parallel.sharding import RowBlocks, shard_replica, split_large_linears, to_plain
 
-from devices import backend_for, on_devices, tolerance
+from devices import backend_for, gpu_per_rank, on_devices, tolerance
 from ranks import join_group, run_ranks
 
 ROWS = 40_000
@@ -138,6 +138,7 @@ def _placement_rank(rank: int, folder: str, device: str) -> None:
 
 @on_devices
 def test_each_rank_holds_its_blocks_rows_of_parameters_and_adam_moments(device):
+    gpu_per_rank(device, WORKERS)
     with tempfile.TemporaryDirectory(prefix="dl4py-uneven-") as folder:
         run_ranks(_placement_rank, (folder, device), WORKERS, RANKS_TIMEOUT_S)
 
@@ -176,10 +177,10 @@ def single_process(device: str) -> MultiLayerNetwork:
 
 @on_devices
 def test_a_sharded_fit_of_the_uneven_layer_ends_with_the_single_process_state(device):
+    gpus = gpu_per_rank(device, WORKERS)
     x, y = toy_data()
     net = MultiLayerNetwork(network(), backend=backend_for(device)).init()
-    # On one GPU both workers share cuda:0, joined by gloo (NCCL wants a GPU per rank).
-    ParallelWrapper(net, workers=WORKERS, parallelism="sharded", devices=["cuda:0"] if device == "cuda" else None).fit(
+    ParallelWrapper(net, workers=WORKERS, parallelism="sharded", devices=gpus).fit(
         ArrayDataSetIterator(x, y, batch_size=BATCH, shuffle=False), epochs=1)
     reference = single_process(device)
     assert (net.epoch_count, net.iteration_count) == (1, EXAMPLES // BATCH)

@@ -1,5 +1,5 @@
 """Tensor-parallel and hybrid (data-parallel convolutions, tensor-parallel dense layers)
-training on 2 ranks with gloo ends where the single-process run on the same batches
+training on 2 ranks ends where the single-process run on the same batches
 ends; a distributed model gathered whole loads in a single process bit for bit, and back.
 On 4 ranks as a 2-D mesh (2 data groups x 2 tensor ranks) likewise: each step one update on
 the round's batches together, directly and through the rank program (``run_rank``) over an
@@ -9,8 +9,8 @@ Tensor mode accumulates (``accumulate_batches``) on the 2-D mesh as the shared-g
 does: each update on the mean of the data groups' mean gradients over their window's rows.
 
 One start of 2 ranks runs every 1-D case, one of 4 every 2-D case (each process start costs
-seconds), per device: on CUDA the ranks share the one GPU, with gloo, as dl4py's own workers
-sharing a device do (NCCL refuses two ranks on one device). The ranks (their programs in
+seconds), per device: on CUDA a GPU for each rank, joined by NCCL, as dl4py requires (ranks
+sharing a GPU are refused; the cases are skipped on fewer GPUs). The ranks (their programs in
 ``tensor_parallel_ranks.py``) write what they ended with, and the tests compare it with
 single-process runs on the same device here. ``run_ranks`` bounds each start and names a
 rank that fails or hangs.
@@ -34,7 +34,7 @@ from dl4py import (
     load,
 )
 
-from devices import backend_for, on_devices, tolerance  # noqa: E402
+from devices import backend_for, gpu_per_rank, on_devices, tolerance  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 from tensor_parallel_ranks import (  # noqa: E402
     ACCUMULATE, BATCH, CASES, CASES_2D, FIT_BATCH, FIT_EXAMPLES, STEPS, WORLD, WORLD_2D, config_for, lenet, mlp,
@@ -112,6 +112,7 @@ def runs(mnist_batches, tmp_path_factory):
     """``runs(device)``: what the 2 ranks ended with."""
 
     def make(device):
+        gpu_per_rank(device, WORLD)
         folder = tmp_path_factory.mktemp(f"tensor_parallel_{device}")
         run_ranks(rank_1d, (str(folder / "rendezvous"), str(folder / "results.pt"), mnist_batches, device), WORLD,
                   timeout=RANKS_TIMEOUT)
@@ -125,6 +126,7 @@ def runs_2d(mnist_batches, tmp_path_factory):
     """``runs_2d(device)``: what the 4 ranks of the 2-D mesh ended with (the batches of ``runs``)."""
 
     def make(device):
+        gpu_per_rank(device, WORLD_2D)
         folder = tmp_path_factory.mktemp(f"tensor_parallel_2d_{device}")
         run_ranks(rank_2d, (str(folder / "rendezvous"), str(folder / "results.pt"), mnist_batches, device),
                   WORLD_2D, timeout=RANKS_TIMEOUT)

@@ -2,8 +2,9 @@
 
 pytest runs verbose and its lines are read as they come: each test's outcome is recorded at
 once (``check.figure``), so a step killed at its budget still reports what passed and what
-failed up to then. Without a GPU the cases are only collected and counted: every one of them
-would be skipped, and running pytest for that costs a CPU rehearsal its budget.
+failed up to then, and why each failure failed (``failure_lines`` prints each reason at once).
+Without a GPU the cases are only collected and counted: every one of them would be skipped,
+and running pytest for that costs a CPU rehearsal its budget.
 """
 
 from __future__ import annotations
@@ -16,18 +17,22 @@ import time
 from pathlib import Path
 
 from gpu_steps._check import Check
+from gpu_steps.failure_lines import PREFIX
 
 TESTS = Path(__file__).resolve().parents[2] / "tests"
 PER_TEST_TIMEOUT_S = 90
 SAVE_EVERY_S = 5.0  # how often the running counts are written (a failure is written at once)
 # "tests/test_x.py::test_y[cuda] PASSED   [ 12%]", as pytest -v prints each test.
 OUTCOME = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+# "gpu-check-reason: tests/test_x.py::test_y[cuda] (call): RuntimeError: ...", from failure_lines.
+REASON = re.compile(rf"^{re.escape(PREFIX)} (\S+::\S+) \((\w+)\): (.*)$")
 NAMES = {"PASSED": "passed", "FAILED": "failed", "ERROR": "errors", "SKIPPED": "skipped",
          "XFAIL": "xfailed", "XPASS": "xpassed"}
 
 
 def run(check: Check) -> None:
-    base = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-o", "addopts=",
+    base = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-p", "gpu_steps.failure_lines",
+            "-o", "addopts=",
             *gpu_test_files()]
     if not check.gpu:
         cases = collected_cases(base)
@@ -45,10 +50,17 @@ def run_streamed(command: list[str], check: Check) -> tuple[dict, list[str]]:
     """Run pytest, echoing its output and recording each outcome as it is printed."""
     counts: dict[str, int] = {}
     failures: list[str] = []
+    reasons: dict[str, str] = {}
     saved = time.monotonic()
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as pytest:
         for line in pytest.stdout:
             print(line, end="", flush=True)
+            explained = REASON.match(line.rstrip("\n"))
+            if explained:
+                test, when, why = explained.groups()
+                reasons[test] = why if when == "call" else f"in {when}: {why}"
+                check.figure("reasons", reasons)
+                continue
             found = OUTCOME.match(line)
             if not found:
                 continue

@@ -1,4 +1,10 @@
-"""Step "model-parallel": the sharded, tensor and hybrid plans on 2 ranks sharing the one device.
+"""Step "model-parallel": the sharded, tensor and hybrid plans on 2 ranks, a GPU each.
+
+These plans all-gather CUDA tensors, which NCCL does with a GPU per rank and gloo (the
+transport of ranks sharing a GPU) cannot: on an H200 their workers died of SIGSEGV. dl4py
+refuses ranks sharing a GPU (preflight.check_plan_transport), so on a machine with one GPU
+the step checks that refusal for each plan and is skipped, saying so. On the CPU both ranks
+share the host, joined by gloo.
 
 Each plan trains as tests/test_model_parallel.py does, through the ParallelWrapper: its
 network (5 -> 64 -> 17,000 -> 3: the sharded plan gathers the large layer in 2 row blocks),
@@ -23,6 +29,7 @@ import time
 import torch
 
 from dl4py import ArrayDataSetIterator, DenseLayer, InputType, MultiLayerNetwork, NetworkConfig, OutputLayer, Sgd
+from dl4py.errors import ConfigError
 from dl4py.parallel import ParallelWrapper
 from gpu_steps._check import Check
 from gpu_steps._workers import EXPECTED_BACKEND, WorkerProbe, mib, part, toy_examples
@@ -37,6 +44,8 @@ TIMEOUT_S = 20.0
 
 def run(check: Check) -> None:
     check.figure("device", str(check.device))
+    if check.gpu and torch.cuda.device_count() < WORKERS:
+        refused_on_one_gpu(check)
     x, y = toy_examples(EXAMPLES, seed=3)
     timing = toy_examples(check.steps(BATCH * 80, BATCH * 8), seed=4)
     rows = []
@@ -47,10 +56,31 @@ def run(check: Check) -> None:
     check.expect(multiprocessing.active_children() == [], "worker processes were left behind")
 
 
+def refused_on_one_gpu(check: Check) -> None:
+    """Each plan with its 2 workers on the one GPU: refused before any starts, one line."""
+    refusals = {}
+    for plan in PLANS:
+        net = MultiLayerNetwork(network(), backend=check.backend).init()
+        try:
+            ParallelWrapper(net, workers=WORKERS, devices=[str(check.device)], parallelism=plan,
+                            timeout=TIMEOUT_S).fit(batches(*toy_examples(EXAMPLES, seed=3)), epochs=1, verbose=0)
+            refusals[plan] = None
+        except ConfigError as error:
+            refusals[plan] = str(error)
+        check.expect(refusals[plan] is not None and "needs a GPU of its own for each rank" in refusals[plan],
+                     f"{plan}: 2 workers on the one GPU were not refused: {refusals[plan]}")
+    check.figure("refused_on_one_gpu", refusals)
+    check.expect(multiprocessing.active_children() == [], "a refused plan started worker processes")
+    if not check.unmet:
+        check.skip(f"{torch.cuda.device_count()} GPU: the plans need a GPU for each of their {WORKERS} ranks "
+                   f"(their refusal on the one GPU checked)")
+
+
 def train_plan(check: Check, plan: str, data: tuple, timing: tuple) -> dict:
     net = MultiLayerNetwork(network(), backend=check.backend).init()
     probe = WorkerProbe()
-    with ParallelWrapper(net, workers=WORKERS, devices=[str(check.device)], parallelism=plan,
+    devices = [f"cuda:{rank}" for rank in range(WORKERS)] if check.gpu else [str(check.device)]
+    with ParallelWrapper(net, workers=WORKERS, devices=devices, parallelism=plan,
                          timeout=TIMEOUT_S) as wrapper:
         started = time.perf_counter()
         trained = wrapper.fit(batches(*data), epochs=EPOCHS, listeners=[probe], verbose=0)
@@ -66,8 +96,9 @@ def train_plan(check: Check, plan: str, data: tuple, timing: tuple) -> dict:
            "timed_steps": steps, "startup_s": round(startup, 2), "rank0_peak_mib": probe.rows[-1]["steps_peak_mib"],
            "single_peak_mib": single_peak, "gap": gap, "gap_at": gap_at, "loss": round(loss, 5)}
     expected = (EPOCHS, EPOCHS * math.ceil(EXAMPLES / BATCH))
-    check.expect(backends == [EXPECTED_BACKEND],
-                 f"{plan}: process group backend {backends}, expected {EXPECTED_BACKEND}")
+    expected_backend = "nccl" if check.gpu else EXPECTED_BACKEND  # a GPU each; on the CPU, the host shared
+    check.expect(backends == [expected_backend],
+                 f"{plan}: process group backend {backends}, expected {expected_backend}")
     check.expect(counters == expected, f"{plan}: epochs and iterations {counters}, expected {expected}")
     check.expect(math.isfinite(loss) and math.isfinite(timed.mean_loss), f"{plan}: a loss is not finite")
     check.expect(gap < TOLERANCE, f"{plan}: largest gap to the single process {gap:.3g} (at {gap_at}), "

@@ -79,9 +79,9 @@ def tensor_pairs(a, b):
         for key, value in state_a[pid].items():
             if torch.is_tensor(value):
                 yield f"updater {pid}.{key}", value.detach().cpu(), state_b[pid][key].detach().cpu()
-    if a.scaler is not None:
-        yield "loss scale", torch.tensor(a.scaler.get_scale()), torch.tensor(b.scaler.get_scale())
-    if a.master is not None:
-        for (name, pa), pb in zip(a.master.master_module.state_dict().items(),
-                                  b.master.master_module.state_dict().values()):
-            yield f"master {name}", pa.detach().cpu(), pb.detach().cpu()
+    precision_a, precision_b = a.precision_state, b.precision_state
+    if precision_a.loss_scale is not None:
+        yield "loss scale", torch.tensor(precision_a.loss_scale), torch.tensor(precision_b.loss_scale)
+    masters_b = precision_b.named_master_parameters()
+    for name, pa in precision_a.named_master_parameters().items():
+        yield f"master {name}", pa.detach().cpu(), masters_b[name].detach().cpu()

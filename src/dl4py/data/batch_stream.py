@@ -9,7 +9,7 @@ Training needs no length; `ProgressBar` draws without one.
 
 from __future__ import annotations
 
-import weakref
+from collections import OrderedDict
 from typing import Iterator
 
 import numpy as np
@@ -162,8 +162,12 @@ class LoaderIterator(BatchStreamIterator):
 # seeds give the same order. Others must say so with a set_epoch.
 _REPLAYABLE_SAMPLERS = (SequentialSampler, RandomSampler, SubsetRandomSampler, WeightedRandomSampler, BatchSampler,
                         DistributedSampler, _InfiniteConstantSampler)
-# A user's generator -> (the seed it had when dl4py first read it, the seed dl4py gave it last).
-_FIRST_SEEDS: "weakref.WeakKeyDictionary[torch.Generator, tuple[int, int]]" = weakref.WeakKeyDictionary()
+# id of a user's generator -> (the generator, the seed it had when dl4py first read it, the seed
+# dl4py gave it last). Held by id, not by weak reference: torch 2.11's Generator takes none (a
+# TypeError on the first GPU run). The generator is kept, so its id cannot be reused, and the
+# oldest are forgotten past a bound: met again, such a generator counts from the seed it then has.
+_FIRST_SEEDS: "OrderedDict[int, tuple[torch.Generator, int, int]]" = OrderedDict()
+REMEMBERED_GENERATORS = 64
 
 
 def _samplers(loader) -> list:
@@ -178,12 +182,14 @@ def _reseed(generator: torch.Generator, epoch: int) -> None:
     """``generator`` seeded with ``first + epoch``: ``first`` is its seed when dl4py first
     read it, or the one its owner gave it since (a fit per epoch, or a fresh process, counts
     from the same seed)."""
-    first, given = _FIRST_SEEDS.get(generator, (None, None))
+    _, first, given = _FIRST_SEEDS.pop(id(generator), (None, None, None))
     if first is None or generator.initial_seed() != given:
         first = generator.initial_seed()
     seed = (first + epoch) % 2**64
     generator.manual_seed(seed)
-    _FIRST_SEEDS[generator] = (first, seed)
+    _FIRST_SEEDS[id(generator)] = (generator, first, seed)  # the newest last
+    while len(_FIRST_SEEDS) > REMEMBERED_GENERATORS:
+        _FIRST_SEEDS.popitem(last=False)
 
 
 class BatchesIterator(BatchStreamIterator):

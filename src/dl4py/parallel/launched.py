@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from dl4py.nn.serialization import model_bytes, restore_state
 from dl4py.parallel.phase import PHASE
-from dl4py.parallel.preflight import process_group_backend
+from dl4py.parallel.preflight import check_plan_transport, process_group_backend
 from dl4py.parallel.rank import RankReport, run_rank
 from dl4py.parallel.sources import StrideSource
 from dl4py.parallel.watchdog import StoreBoard, Watchdog, backstop
@@ -50,6 +50,7 @@ def run_launched_rank(model, spec: WorkerSpec, iterator, node_devices: list[str]
     """Train ``model`` as this process's rank; it then holds the trained (averaged) state."""
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world, local_world = launched_world()
+    check_plan_transport(spec.options.parallelism, local_world, node_devices)  # every rank refuses alike
     spec.devices = [node_devices[local_rank % len(node_devices)]] * world  # this process's device, whatever its rank
     spec.model_file = model_bytes(model)
     source = spec.source or StrideSource(iterator)

@@ -83,6 +83,25 @@ def check_batches_for_world(world: int, iterator) -> None:
                                      f"batch in the first round; use at most {batches} workers or a smaller batch size")
 
 
+def check_plan_transport(plan, world: int, devices: list[str]) -> None:
+    """Refuse a sharded, tensor or hybrid plan whose ranks would share a GPU, before any starts.
+
+    Those plans all-gather and reduce-scatter the model's CUDA tensors. NCCL does that, with a
+    GPU for each rank; ranks sharing a GPU are joined by gloo, which has no CUDA all-gather:
+    torch's DTensor then kills the worker with SIGSEGV at its first batch (seen on an H200).
+    Averaging and shared gradients only all-reduce, which gloo does on CUDA tensors."""
+    if plan.kind == "data":
+        return
+    gpus = [devices[rank % len(devices)] for rank in range(world)]
+    if not any(d.startswith("cuda") for d in gpus) or process_group_backend(devices, world) == "nccl":
+        return
+    distinct = sorted({d for d in gpus if d.startswith("cuda")})
+    raise ConfigError("workers", f"is {world} on {len(distinct)} GPU(s) ({', '.join(distinct)}): the {plan.kind} plan "
+                                 f"needs a GPU of its own for each rank (NCCL; the gloo transport of ranks that share "
+                                 f"a GPU cannot all-gather CUDA tensors); use one worker per GPU, or parallelism "
+                                 f"data, whose workers may share a GPU")
+
+
 def process_group_backend(devices: list[str], world: int) -> str:
     """NCCL needs one process per GPU; CPU workers, or several workers sharing a GPU (the
     seed recommends workers >= GPUs), communicate through gloo."""

@@ -57,7 +57,14 @@ from dl4py.parallel.events import EventReplay
 from dl4py.parallel.launched import launched_by_torchrun, launched_world, run_launched_rank
 from dl4py.parallel.main_guard import check_main_guard
 from dl4py.parallel.pool import PoolLayout, WorkerPool
-from dl4py.parallel.preflight import check_picklable, check_world, own_source, private_copy, process_group_backend
+from dl4py.parallel.preflight import (
+    check_picklable,
+    check_plan_transport,
+    check_world,
+    own_source,
+    private_copy,
+    process_group_backend,
+)
 from dl4py.parallel.rank import RankReport
 from dl4py.parallel.sources import GroupCopies, batches_per_epoch, is_shardable
 from dl4py.parallel.worker import WorkerSpec
@@ -276,6 +283,7 @@ class ParallelWrapper:
         devices = self._resolve_devices()
         world = self.options.workers or (len(devices) if devices[0].startswith("cuda") else 2)
         check_world(world, devices, iterator)  # before any process starts
+        check_plan_transport(self.options.parallelism, world, devices)
         self.options.mesh_shape(world)  # tensor groups that divide the workers
         spec = self._spec(iterator, epochs, devices, world, record)
         if spec.torch_model is not None:

@@ -14,7 +14,7 @@ from dl4py.backend.cuda_environment import environment
 from dl4py.data.device import DeviceDataSetIterator, use_device_data
 from dl4py.data.iterators import ArrayDataSetIterator, WrappedIterator
 from dl4py.data.prefetch import PrefetchIterator
-from dl4py.errors import DL4PyError
+from dl4py.errors import ConfigError, DL4PyError
 from dl4py.train import accumulate
 from dl4py.train.epoch import EpochSummary, check_finite, epoch_rng, run_epoch
 from dl4py.train.history import History
@@ -126,5 +126,8 @@ def _step_bytes(model, iterator) -> int | None:
         return None
     from dl4py.memory import estimate  # cycle: dl4py.memory imports this module (through nn and parallel)
 
-    report = estimate(config, batch, model.precision.name, device="cuda")
+    try:
+        report = estimate(config, batch, model.precision.name, device="cuda")
+    except ConfigError:  # a sequence network whose input type gives no length: nothing to size
+        return None
     return report.peak_bytes - report.parameter_bytes
