@@ -68,6 +68,7 @@ from dl4py.data.sequences import SequenceDataSetIterator
 from dl4py.errors import BackendError, ConfigError, DataError, DL4PyError, InferenceError, TrainingError
 from dl4py.eval import ROC, Evaluation, RegressionEvaluation, ROCMultiClass
 from dl4py.nn import ComputationGraph, FineTuneConfiguration, MultiLayerNetwork, TorchModel, TransferLearning, load
+from dl4py.dl4j import import_dl4j
 from dl4py.config.graph import (
     ComputationGraphConfiguration,
     ElementWiseVertex,
@@ -95,4 +96,5 @@ __all__ = [
     "Convolution1DLayer", "Deconvolution2D", "LayerNormalization", "SelfAttentionLayer",
     "Subsampling1DLayer", "Upsampling2D", "ZeroPaddingLayer",
     "InferenceError", "ParallelInference",
+    "import_dl4j",
 ]

@@ -1,0 +1,287 @@
+"""Where each value of DL4J's flat parameter vector goes in dl4py's torch modules, and back.
+
+DL4J keeps all of a MultiLayerNetwork's parameters in one row vector (``coefficients.bin``):
+layer after layer, each layer's part laid out by its ``ParamInitializer`` (DL4J's
+``org.deeplearning4j.nn.params``). ``param_slots`` lists them in that order, one ``ParamSlot`` per
+DL4J parameter: the layer index and DL4J's key, where it starts and how many values it has, its
+shape and order in DL4J, the torch ``state_dict`` entries it fills, and the two functions between
+the flat segment and those entries. The updater state (``updaterState.bin``) is laid out by the
+same slots, each of its blocks in this order, so it is split with the same list.
+
+The layouts, as DL4J's sources write them:
+
+- ``DefaultParamInitializer`` (dense, output, RNN output, most custom layers): ``W`` [nIn, nOut]
+  in Fortran order, then ``b`` [nOut]. ``nn.Linear.weight`` is [nOut, nIn]: W transposed.
+- ``EmbeddingLayerParamInitializer``: the same ``W`` [nIn = vocabulary, nOut], which is already
+  ``nn.Embedding.weight``'s [vocabulary, nOut]; its ``b`` has no dl4py place (the import refuses it).
+- ``ConvolutionParamInitializer``: ``b`` [nOut] *first*, then ``W`` [nOut, nIn, kH, kW] in C
+  order: ``nn.Conv2d.weight`` as it is.
+- ``BatchNormalizationParamInitializer``: ``gamma``, ``beta``, then the running ``mean`` and
+  ``var`` (or, with ``useLogStd``, ``log10stdev``: var = (10 ** log10stdev) ** 2), each [nOut].
+- ``LSTMParamInitializer``: ``W`` [nIn, 4n], ``RW`` [n, 4n] (Fortran order), ``b`` [4n]. The four
+  column blocks are, by ``LSTMHelpers``, 0: the cell input (activation fn: torch's g), 1: the
+  forget gate (f), 2: the output gate (o), 3: the "input modulation" gate that scales the cell
+  input (torch's i). ``nn.LSTM`` stacks its rows i, f, g, o: DL4J's blocks 3, 1, 0, 2. DL4J has one
+  bias, torch two (``bias_ih``, ``bias_hh``, which it adds): ``b`` goes to ``bias_ih``, zeros to
+  ``bias_hh``; back, DL4J's ``b`` is their sum.
+- ``GravesLSTMParamInitializer``: as LSTM, ``RW`` [n, 4n + 3]: its last three columns are the
+  peephole weights wFF (forget gate, from the previous cell state), wOO (output gate, from the
+  current one), wGG (input modulation gate, from the previous one). dl4py has no peephole
+  LSTM: these slots name the entries such a module would hold (``peephole_f/o/i_l0``).
+- ``GravesBidirectionalLSTMParamInitializer``: forward ``WF, RWF, bF``, then backward ``WB, RWB,
+  bB``, each as GravesLSTM's; torch's names for the backward direction end in ``_reverse``.
+- Layers without parameters (pooling, dropout, activation, padding): none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from dl4py.dl4j import custom_layers
+from dl4py.dl4j.config_json import DL4JConfiguration, DL4JLayer, LayerFields, wrapped_layer
+from dl4py.dl4j.ndarray import DL4JFileError
+
+# DL4J's layer classes -> their parameter initializer.
+_INITIALIZER_OF = {
+    "DenseLayer": "DefaultParamInitializer", "OutputLayer": "DefaultParamInitializer",
+    "RnnOutputLayer": "DefaultParamInitializer", "CenterLossOutputLayer": "DefaultParamInitializer",
+    "EmbeddingLayer": "EmbeddingLayerParamInitializer", "EmbeddingSequenceLayer": "EmbeddingLayerParamInitializer",
+    "ConvolutionLayer": "ConvolutionParamInitializer", "Convolution2D": "ConvolutionParamInitializer",
+    "BatchNormalization": "BatchNormalizationParamInitializer", "LSTM": "LSTMParamInitializer",
+    "GravesLSTM": "GravesLSTMParamInitializer",
+    "GravesBidirectionalLSTM": "GravesBidirectionalLSTMParamInitializer",
+}
+for _kind in ("SubsamplingLayer", "Pooling2D", "DropoutLayer", "ActivationLayer", "GlobalPoolingLayer",
+              "ZeroPaddingLayer", "Upsampling2D", "LossLayer", "Cropping2D"):
+    _INITIALIZER_OF[_kind] = "EmptyParamInitializer"
+# nn.LSTM's gate rows i, f, g, o are DL4J's column blocks 3, 1, 0, 2 (see the module docstring).
+LSTM_BLOCKS = (3, 1, 0, 2)
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One DL4J parameter: ``count`` values from ``offset`` of the flat vector, DL4J's array of
+    ``shape`` in ``order`` ('f' or 'c'), filling the torch entries ``torch_names`` (full
+    ``state_dict`` names, e.g. ``"0.op.weight"``). ``to_torch(segment)`` gives one array per
+    name, in torch's shape; ``from_torch(arrays)`` gives the flat segment back."""
+
+    layer: int
+    key: str
+    offset: int
+    count: int
+    shape: tuple[int, ...]
+    order: str
+    torch_names: tuple[str, ...]
+    to_torch: Callable[[np.ndarray], tuple[np.ndarray, ...]]
+    from_torch: Callable[[tuple[np.ndarray, ...]], np.ndarray]
+
+
+def param_slots(conf: DL4JConfiguration, prefixes: dict[int, str] | None = None) -> list[ParamSlot]:
+    """Every DL4J parameter of ``conf`` in the flat vector's order. ``prefixes[i]`` is the
+    module path of layer i's parameters in dl4py's network (``MappedNetwork.prefixes``; without
+    it, ``"{i}.op"``: DL4J's and dl4py's layer indices taken as equal)."""
+    slots: list[ParamSlot] = []
+    offset = 0
+    for layer in conf.layers:
+        fields = LayerFields(layer, conf.where)
+        prefix = (prefixes or {}).get(layer.index, f"{layer.index}.op")
+        try:
+            layout = _layout(fields, prefix)
+        except (KeyError, TypeError, ValueError) as exc:  # a size or kernel field DL4J writes, malformed
+            raise fields.error(f"its parameters cannot be laid out: {exc!r}") from None
+        for key, shape, order, names, to_torch, from_torch in layout:
+            count = int(np.prod(shape))
+            slots.append(ParamSlot(layer.index, key, offset, count, tuple(shape), order, tuple(names),
+                                   to_torch, from_torch))
+            offset += count
+    return slots
+
+
+def initializer_of(layer: DL4JLayer) -> str | None:
+    """DL4J's parameter initializer for ``layer``: a registered custom class's, else its class's."""
+    registered = custom_layers.custom_layer(layer.java_class)
+    if registered is not None:
+        return registered.initializer
+    return _INITIALIZER_OF.get(layer.kind)
+
+
+def split_parameters(slots: list[ParamSlot], flat: np.ndarray, where: str) -> dict[str, np.ndarray]:
+    """The flat vector cut into the torch entries the slots name; a DL4JFileError naming the
+    first layer it runs short for, or the surplus."""
+    flat = np.asarray(flat).reshape(-1)
+    check_count(slots, flat.size, where)
+    out = {}
+    for slot in slots:
+        arrays = slot.to_torch(flat[slot.offset:slot.offset + slot.count])
+        out.update(zip(slot.torch_names, arrays))
+    return out
+
+
+def check_count(slots: list[ParamSlot], size: int, where: str) -> None:
+    """A DL4JFileError unless a flat vector of ``size`` values is exactly what ``slots`` take:
+    named by the first layer it runs short for, or by the surplus."""
+    need = slots[-1].offset + slots[-1].count if slots else 0
+    if size != need:
+        short = next((s for s in slots if s.offset + s.count > size), None)
+        what = (f"runs out in layer {short.layer}'s {short.key} (values {short.offset} to "
+                f"{short.offset + short.count - 1})" if short else f"has {size - need} values more")
+        raise DL4JFileError(where, f"holds {size} parameters, the configuration's layers take {need}: it {what}")
+
+
+def join_parameters(slots: list[ParamSlot], tensors: dict[str, np.ndarray]) -> np.ndarray:
+    """The flat vector back from torch entries (numpy arrays by name): ``split_parameters``' inverse."""
+    parts = [slot.from_torch(tuple(np.asarray(tensors[name]) for name in slot.torch_names)) for slot in slots]
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
+# ---- the layouts ---------------------------------------------------------------------------------
+
+def _layout(fields: LayerFields, prefix: str) -> list:
+    inner = wrapped_layer(fields)  # a FrozenLayer's or LastTimeStep's layer holds the parameters
+    if inner is not fields:
+        return _layout(inner, prefix)
+    initializer = initializer_of(fields.layer)
+    if initializer is None:
+        raise fields.error("dl4py does not know how DL4J lays out this layer's parameters")
+    registered = custom_layers.custom_layer(fields.java_class)
+    names = registered.torch_names if registered is not None else {}
+    return _LAYOUTS[initializer](fields, prefix, names)
+
+
+def _name(prefix: str, names: dict, key: str, default: str) -> str:
+    return f"{prefix}.{names.get(key, default)}"
+
+
+def _sizes(fields: LayerFields, *keys: str) -> list[int]:
+    values = {"nIn": fields.n_in, "nOut": fields.n_out}
+    missing = [key for key in keys if not values[key] or values[key] <= 0]
+    if missing:
+        raise fields.error(f"{' and '.join(missing)} missing or not positive: its parameters cannot be laid out")
+    return [values[key] for key in keys]
+
+
+def _default(fields: LayerFields, prefix: str, names: dict) -> list:
+    n_in, n_out = _sizes(fields, "nIn", "nOut")
+    slots = [("W", (n_in, n_out), "f", [_name(prefix, names, "W", "weight")],
+              lambda seg: (seg.reshape(n_in, n_out, order="F").T,),
+              lambda arrays: arrays[0].T.reshape(-1, order="F"))]
+    if fields.get("hasBias", True):
+        slots.append(_vector("b", n_out, _name(prefix, names, "b", "bias")))
+    return slots
+
+
+def _embedding(fields: LayerFields, prefix: str, names: dict) -> list:
+    n_in, n_out = _sizes(fields, "nIn", "nOut")
+    slots = [("W", (n_in, n_out), "f", [_name(prefix, names, "W", "embedding.weight")],
+              lambda seg: (seg.reshape(n_in, n_out, order="F"),),
+              lambda arrays: arrays[0].reshape(-1, order="F"))]
+    if fields.get("hasBias", fields.layer.kind != "EmbeddingSequenceLayer"):
+        slots.append(_vector("b", n_out, _name(prefix, names, "b", "embedding.bias")))
+    return slots
+
+
+def _convolution(fields: LayerFields, prefix: str, names: dict) -> list:
+    n_in, n_out = _sizes(fields, "nIn", "nOut")
+    k_h, k_w = fields.pair("kernelSize")
+    shape = (n_out, n_in, k_h, k_w)
+    slots = [_vector("b", n_out, _name(prefix, names, "b", "bias"))] if fields.get("hasBias", True) else []
+    slots.append(("W", shape, "c", [_name(prefix, names, "W", "weight")],
+                  lambda seg: (seg.reshape(shape),), lambda arrays: arrays[0].reshape(-1)))
+    return slots
+
+
+def _batch_normalization(fields: LayerFields, prefix: str, names: dict) -> list:
+    (n_out,) = _sizes(fields, "nOut")
+    slots = [] if fields.get("lockGammaBeta") else [
+        _vector("gamma", n_out, _name(prefix, names, "gamma", "weight")),
+        _vector("beta", n_out, _name(prefix, names, "beta", "bias"))]
+    slots.append(_vector("mean", n_out, _name(prefix, names, "mean", "running_mean")))
+    if fields.get("useLogStd", False):
+        slots.append(("log10stdev", (n_out,), "c", [_name(prefix, names, "log10stdev", "running_var")],
+                      lambda seg: ((10.0 ** seg) ** 2,), lambda arrays: np.log10(np.sqrt(arrays[0]))))
+    else:
+        slots.append(_vector("var", n_out, _name(prefix, names, "var", "running_var")))
+    return slots
+
+
+def _vector(key: str, size: int, name: str):
+    return key, (size,), "c", [name], lambda seg: (seg.copy(),), lambda arrays: arrays[0].reshape(-1)
+
+
+def _lstm(fields: LayerFields, prefix: str, names: dict) -> list:
+    return _lstm_direction(fields, prefix, names, peepholes=False, keys=("W", "RW", "b"), suffix="")
+
+
+def _graves_lstm(fields: LayerFields, prefix: str, names: dict) -> list:
+    return _lstm_direction(fields, prefix, names, peepholes=True, keys=("W", "RW", "b"), suffix="")
+
+
+def _graves_bidirectional(fields: LayerFields, prefix: str, names: dict) -> list:
+    return (_lstm_direction(fields, prefix, names, True, ("WF", "RWF", "bF"), "")
+            + _lstm_direction(fields, prefix, names, True, ("WB", "RWB", "bB"), "_reverse"))
+
+
+def _lstm_direction(fields, prefix, names, peepholes: bool, keys, suffix: str) -> list:
+    n_in, n = _sizes(fields, "nIn", "nOut")
+    rows = np.concatenate([np.arange(block * n, (block + 1) * n) for block in LSTM_BLOCKS])
+    recurrent_columns = 4 * n + (3 if peepholes else 0)
+    w_key, rw_key, b_key = keys
+    rnn = f"{prefix}.rnn"
+
+    def gates_to_torch(matrix):  # DL4J's [size, 4n] -> torch's [4n, size], rows i, f, g, o
+        return matrix[:, rows].T
+
+    def gates_from_torch(matrix):
+        out = np.empty((matrix.shape[1], 4 * n), dtype=matrix.dtype)
+        out[:, rows] = matrix.T
+        return out
+
+    def recurrent_to_torch(seg):
+        rw = seg.reshape(n, recurrent_columns, order="F")
+        out = (gates_to_torch(rw[:, :4 * n]),)
+        return out + ((rw[:, 4 * n].copy(), rw[:, 4 * n + 1].copy(), rw[:, 4 * n + 2].copy()) if peepholes else ())
+
+    def recurrent_from_torch(arrays):
+        rw = np.concatenate([gates_from_torch(arrays[0])] + [a.reshape(n, 1) for a in arrays[1:]], axis=1)
+        return rw.reshape(-1, order="F")
+
+    recurrent_names = [_name(rnn, names, rw_key, f"weight_hh_l0{suffix}")]
+    if peepholes:  # the names a peephole LSTM module would hold; dl4py has none yet
+        recurrent_names += [f"{rnn}.peephole_{gate}_l0{suffix}" for gate in "foi"]
+    return [
+        (w_key, (n_in, 4 * n), "f", [_name(rnn, names, w_key, f"weight_ih_l0{suffix}")],
+         lambda seg: (gates_to_torch(seg.reshape(n_in, 4 * n, order="F")),),
+         lambda arrays: gates_from_torch(arrays[0]).reshape(-1, order="F")),
+        (rw_key, (n, recurrent_columns), "f", recurrent_names, recurrent_to_torch, recurrent_from_torch),
+        (b_key, (4 * n,), "c",
+         [_name(rnn, names, b_key, f"bias_ih_l0{suffix}"), f"{rnn}.bias_hh_l0{suffix}"],
+         lambda seg: (seg[rows].copy(), np.zeros(4 * n, dtype=seg.dtype)),
+         lambda arrays: _bias_from_torch(arrays, rows)),
+    ]
+
+
+def _bias_from_torch(arrays, rows) -> np.ndarray:
+    out = np.empty_like(arrays[0])
+    out[rows] = arrays[0] + arrays[1]  # torch adds its two biases; DL4J has their sum
+    return out
+
+
+def _empty(fields: LayerFields, prefix: str, names: dict) -> list:
+    return []
+
+
+_LAYOUTS = {
+    "DefaultParamInitializer": _default,
+    "EmbeddingLayerParamInitializer": _embedding,
+    "ConvolutionParamInitializer": _convolution,
+    "BatchNormalizationParamInitializer": _batch_normalization,
+    "LSTMParamInitializer": _lstm,
+    "GravesLSTMParamInitializer": _graves_lstm,
+    "GravesBidirectionalLSTMParamInitializer": _graves_bidirectional,
+    "EmptyParamInitializer": _empty,
+}
+# custom_layers lists the initializers a registration may name without importing this module.
+assert tuple(_LAYOUTS) == custom_layers.INITIALIZERS, "param_layout and custom_layers disagree on the initializers"
