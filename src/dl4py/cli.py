@@ -165,6 +165,14 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--output", type=Path, help="default: beside the model, model.onnx, model.pt or "
                                                     "model.weights.dl4py")
 
+    dl4j = sub.add_parser("import-dl4j", help="a model DL4J saved (ModelSerializer zip) as a dl4py model file, "
+                                             "parameters exact (docs/dl4j-import.md)")
+    dl4j.add_argument("model", type=Path, help="the zip DL4J's ModelSerializer.writeModel wrote")
+    dl4j.add_argument("--output", type=Path, help="default: beside the zip, with the suffix .dl4py")
+    dl4j.add_argument("--summary", action="store_true", help="print the imported network's layers and parameters")
+    dl4j.add_argument("--strict", action="store_true",
+                      help="refuse the file when anything would be left out (training settings dl4py lacks, ...)")
+
     serve = sub.add_parser("serve", help="an HTTP/JSON prediction server: POST /predict, GET /health, GET /metadata "
                                          "(needs dl4py[serve])")
     serve.add_argument("model", type=Path, help="a model file, or a run directory")
@@ -266,7 +274,7 @@ def _main(argv: list[str]) -> int:
     debug = args.debug or os.environ.get("DL4PY_DEBUG", "") not in ("", "0")
     commands = {"train": _train, "evaluate": _evaluate, "summary": _summary, "info": _info, "doctor": _doctor,
                 "sweep": _sweep, "memory": _memory, "bench": _bench, "ui": _ui, "report": _report,
-                "predict": _predict, "export": _export, "serve": _serve}
+                "predict": _predict, "export": _export, "serve": _serve, "import-dl4j": _import_dl4j}
     # A problem with the user's input or machine is one line; a bug of dl4py's own keeps
     # its traceback. --debug (or DL4PY_DEBUG=1) shows the traceback of everything.
     # SIGTERM outside a fit (reading data, evaluating) stops as Ctrl-C does; a fit defers
@@ -579,6 +587,21 @@ def _export(args) -> int:
     if output.resolve() == model_path.resolve():
         raise DataError(f"{output}: is the model file itself; give another --output")
     export(model, output, args.format)
+    print(output)
+    return 0
+
+
+def _import_dl4j(args) -> int:
+    from dl4py.dl4j import import_dl4j
+    from dl4py.errors import DataError
+
+    output = args.output or args.model.with_suffix(".dl4py")
+    if output.resolve() == args.model.resolve():
+        raise DataError(f"{output}: is the DL4J file itself; give another --output")
+    model = import_dl4j(args.model, strict=args.strict)  # what it leaves out: one warning line
+    if args.summary:
+        print(model.summary())
+    model.save(output)
     print(output)
     return 0
 
