@@ -9,7 +9,7 @@ real files in ``../shared/dl4j-models`` (DL4J's own test resources):
 - the integration tests' MLPMoon and LenetMnist: DL4J's predictions (made by the untrained
   model, as ``IntegrationTestBaselineGenerator`` does before training) and its evaluation
   after training (from ``paramsPostTrain.bin``), on the rows DL4J used, MNIST in the order of
-  DL4J's seeded shuffle, reproduced here from ``java.util.Random``;
+  DL4J's seeded shuffle, reproduced from ``java.util.Random`` (``dl4j_data``);
 - crafted zips: each a one-line DL4JFileError naming the file, the entry or the layer.
 No processes; CPU only.
 """
@@ -32,7 +32,6 @@ from dl4py import InputType
 from dl4py.config.layers import Layer, Shape
 from dl4py.config.registry import BUILDER, LAYERS
 from dl4py.config.updaters import Nesterovs, RmsProp
-from dl4py.data.mnist import load_mnist
 from dl4py.dl4j import (
     DL4JFileError,
     import_dl4j,
@@ -47,7 +46,7 @@ from dl4py.dl4j import (
 )
 from dl4py.dl4j.param_layout import join_parameters, split_parameters
 from dl4py.nn.layer_init import ACTIVATIONS
-from conftest import require_mnist
+from dl4j_data import JavaRandom, dl4j_mnist_order, mnist_rows
 
 MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "dl4j-models"
 V080, V100B4, INTEGRATION = MODELS / "regression_testing" / "080", MODELS / "regression_testing" / "100b4", \
@@ -477,48 +476,13 @@ def test_mlp_moon_predicts_as_dl4j_and_evaluates_as_dl4j_after_training():
     assert _counts(labels, predicted) == _confusion(case / "evaluation" / "0.Evaluation.json")
 
 
-class JavaRandom:
-    """java.util.Random: its 48-bit linear congruential generator, as the JDK documents it."""
-
-    def __init__(self, seed: int):
-        self.state = (seed ^ 0x5DEECE66D) & ((1 << 48) - 1)
-
-    def _next(self, bits: int) -> int:
-        self.state = (self.state * 0x5DEECE66D + 0xB) & ((1 << 48) - 1)
-        return self.state >> (48 - bits)
-
-    def next_int(self, bound: int) -> int:
-        if bound & -bound == bound:  # a power of two
-            return (bound * self._next(31)) >> 31
-        while True:
-            bits = self._next(31)
-            value = bits % bound
-            if bits - value + bound - 1 < 1 << 31:  # Java's int overflow test
-                return value
-
-
-def dl4j_mnist_order(examples: int, seed: int) -> list[int]:
-    """MnistDataFetcher's order: MathUtils.shuffleArray (Fisher-Yates from the end) with
-    new Random(seed), once, at construction."""
-    order, rng = list(range(examples)), JavaRandom(seed)
-    for i in range(examples - 1, 0, -1):
-        j = rng.next_int(i + 1)
-        order[i], order[j] = order[j], order[i]
-    return order
-
-
 def test_the_java_random_shuffle_gives_java_s_order():
-    """Values printed by a JDK (17) for new Random(42).nextInt(10) and for the shuffle above."""
+    """Values printed by a JDK (17) for new Random(42).nextInt(10) and for the shuffle
+    (``dl4j_data``, shared with the gradient test)."""
     rng = JavaRandom(42)
     assert [rng.next_int(10) for _ in range(5)] == [0, 3, 8, 4, 0]
     assert dl4j_mnist_order(60000, 12345)[:16] == [5310, 36545, 10388, 10768, 1311, 42299, 11497, 35849,
                                                    39700, 62, 20999, 33395, 51189, 42119, 19893, 11802]
-
-
-def _mnist(train: bool, rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    images, labels = load_mnist(train, require_mnist())
-    return (images.numpy()[rows].reshape(len(rows), 784).astype(np.float32) / np.float32(255),
-            labels.numpy()[rows])
 
 
 def test_lenet_mnist_predicts_as_dl4j_and_evaluates_as_dl4j_after_training():
@@ -532,12 +496,12 @@ def test_lenet_mnist_predicts_as_dl4j_and_evaluates_as_dl4j_after_training():
     assert net.config.input_type == InputType.convolutional_flat(28, 28, 1) and net.config.l2 == 0.0005
     order = dl4j_mnist_order(60000, 12345)
     for name, rows in (("output_0_0.bin", order[:1]), ("output_1_0.bin", order[8:16])):
-        features, _ = _mnist(True, rows)
+        features, _ = mnist_rows(True, rows)
         np.testing.assert_allclose(net.output(torch.from_numpy(features)).numpy(),
                                    read_array(case / "predictions" / name), rtol=0, atol=1e-4)
     plan = plan_import(case / "Model_RANDOM_INIT_UNTRAINED.zip")
     load_parameters(net, plan.slots, read_array(case / "paramsPostTrain.bin"), "paramsPostTrain.bin")
-    features, labels = _mnist(False, dl4j_mnist_order(10000, 12345)[:320])
+    features, labels = mnist_rows(False, dl4j_mnist_order(10000, 12345)[:320])
     predicted = net.output(torch.from_numpy(features)).numpy().argmax(axis=1)
     assert _counts(labels, predicted) == _confusion(case / "evaluation" / "0.Evaluation.json")
 
