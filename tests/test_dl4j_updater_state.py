@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dl4py.dl4j import DL4JFileError, read_array, write_array
-from dl4py.dl4j.updater_state import (BLOCKS, PER_PARAMETER, TORCH_STATE, ParamSlot, from_torch_state, join_state,
+from dl4py.dl4j.updater_state import (BLOCKS, PER_PARAMETER, TORCH_STATE, UpdaterSlot, from_torch_state, join_state,
                                       split_state, state_size, to_torch_state)
 
 MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "dl4j-models"
@@ -24,9 +24,9 @@ V080, B4, IT = MODELS / "regression_testing" / "080", MODELS / "regression_testi
 needs_files = pytest.mark.skipif(not MODELS.is_dir(), reason=f"needs DL4J's files in {MODELS}")
 
 
-def _slots(updater: str, settings, *layers) -> list[ParamSlot]:
+def _slots(updater: str, settings, *layers) -> list[UpdaterSlot]:
     """Slots in DL4J's flat order from ``(layer, [(key, count), ...])``, one updater for all."""
-    return [ParamSlot(layer, key, count, updater, settings) for layer, params in layers for key, count in params]
+    return [UpdaterSlot(layer, key, count, updater, settings) for layer, params in layers for key, count in params]
 
 
 def _entry(path: Path, name: str) -> np.ndarray:
@@ -145,10 +145,10 @@ def test_a_truncated_state_file_is_one_line():
 
 ADAM_A, ADAM_B = ("Adam", (1e-3,)), ("Adam", (5e-3,))  # equal updaters share a block; lr differs
 CRAFTED = [
-    ParamSlot(0, "W", 3, *ADAM_A), ParamSlot(0, "b", 2, *ADAM_A),   # block 1: Adam over 5 values
-    ParamSlot(1, "W", 4, "Nesterovs", (0.1, 0.9)),                   # block 2
-    ParamSlot(3, "W", 2, *ADAM_A),                                   # block 3: after another updater
-    ParamSlot(3, "b", 1, *ADAM_B),                                   # block 4: another learning rate
+    UpdaterSlot(0, "W", 3, *ADAM_A), UpdaterSlot(0, "b", 2, *ADAM_A),   # block 1: Adam over 5 values
+    UpdaterSlot(1, "W", 4, "Nesterovs", (0.1, 0.9)),                   # block 2
+    UpdaterSlot(3, "W", 2, *ADAM_A),                                   # block 3: after another updater
+    UpdaterSlot(3, "b", 1, *ADAM_B),                                   # block 4: another learning rate
 ]
 
 
@@ -173,9 +173,9 @@ def test_a_stateless_updater_and_pretraining_parameters_split_blocks():
     """Sgd keeps no state but still ends the Adam block before it; a pretraining-only parameter
     (a VAE's decoder, an autoencoder's visible bias) shares only with its own layer's pretraining
     parameters (UpdaterUtils.updaterConfigurationsEquals)."""
-    slots = [ParamSlot(0, "W", 2, *ADAM_A), ParamSlot(1, "W", 1, "Sgd"), ParamSlot(2, "W", 1, *ADAM_A),
-             ParamSlot(2, "d1", 1, *ADAM_A, pretrain=True), ParamSlot(2, "d2", 1, *ADAM_A, pretrain=True),
-             ParamSlot(3, "W", 1, *ADAM_A)]
+    slots = [UpdaterSlot(0, "W", 2, *ADAM_A), UpdaterSlot(1, "W", 1, "Sgd"), UpdaterSlot(2, "W", 1, *ADAM_A),
+             UpdaterSlot(2, "d1", 1, *ADAM_A, pretrain=True), UpdaterSlot(2, "d2", 1, *ADAM_A, pretrain=True),
+             UpdaterSlot(3, "W", 1, *ADAM_A)]
     split = split_state(np.arange(12, dtype=np.float64), slots)
     assert [{k: v.tolist() for k, v in s.items()} for s in split] == [
         {"m": [0, 1], "v": [2, 3]}, {}, {"m": [4], "v": [5]}, {"m": [6], "v": [8]}, {"m": [7], "v": [9]},
@@ -184,7 +184,7 @@ def test_a_stateless_updater_and_pretraining_parameters_split_blocks():
 
 @pytest.mark.parametrize("layout", [BLOCKS, PER_PARAMETER])
 def test_join_is_the_exact_inverse_of_split(layout):
-    slots = CRAFTED + [ParamSlot(4, "W", 3, "AMSGrad", ()), ParamSlot(4, "b", 2, "AdaDelta", ())]
+    slots = CRAFTED + [UpdaterSlot(4, "W", 3, "AMSGrad", ()), UpdaterSlot(4, "b", 2, "AdaDelta", ())]
     state = np.random.default_rng(0).standard_normal((1, state_size(slots))).astype(np.float16)
     again = join_state(split_state(state, slots, layout), slots, layout)
     assert again.dtype == np.float16 and again.tobytes() == state.tobytes()
@@ -192,9 +192,9 @@ def test_join_is_the_exact_inverse_of_split(layout):
 
 def test_an_unknown_updater_or_a_bad_shape_is_one_line():
     with pytest.raises(DL4JFileError, match=r"^layer 2 parameter 'W': updater 'Adagrad2' is not one dl4py reads"):
-        split_state(np.zeros(4), [ParamSlot(2, "W", 4, "Adagrad2")])
+        split_state(np.zeros(4), [UpdaterSlot(2, "W", 4, "Adagrad2")])
     with pytest.raises(DL4JFileError, match=r"^updaterState.bin: is shaped \[2, 2\], not a row of updater state$"):
-        split_state(np.zeros((2, 2)), [ParamSlot(0, "W", 4, "Nesterovs")])
+        split_state(np.zeros((2, 2)), [UpdaterSlot(0, "W", 4, "Nesterovs")])
     with pytest.raises(ValueError, match="parameter 'b' state 'v' has 3 values, the parameter 2"):
         join_state([{"m": np.zeros(3), "v": np.zeros(3)}, {"m": np.zeros(2), "v": np.zeros(3)}], CRAFTED[:2])
 

@@ -2,14 +2,19 @@
 
 The steps, each in its own module: open the zip with every size checked (``model_zip``), read
 configuration.json in its dialect and map it onto a NetworkConfig (``config_json``), lay
-coefficients.bin out onto the built modules' tensors (``param_layout``). The parameters land
-exactly: every value of the file in the torch entry and position DL4J's layout gives it, in
-the file's precision (float, double or half, as DL4J's ``dataType`` or the array says).
+coefficients.bin out onto the built modules' tensors (``param_layout``), updaterState.bin into
+the optimizer's state and DL4J's iteration and epoch counts into the model's counters
+(``optimizer_state``), normalizer.bin into the model's normalizer (``normalizer_file``). The
+parameters land exactly: every value of the file in the torch entry and position DL4J's layout
+gives it, in the file's precision (float, double or half, as DL4J's ``dataType`` or the array
+says); the updater state in the same positions, on the parameters the optimizer steps. So
+``fit`` goes on where DL4J stopped, and ``output`` takes the raw features DL4J's normalizer took.
 
 What is not imported is said in one line (a warning on the ``dl4py.dl4j`` logger; ``plan_import``
-lists it without building anything): the Java-serialized entries (never opened), the updater
-state (imported by a later piece: ``fit`` starts a fresh updater), and training settings dl4py
-lacks. ``strict=True`` refuses the file instead.
+lists what the configuration alone shows, without building anything): the Java-serialized
+entries (never opened), training settings dl4py lacks, updater state torch cannot continue as
+DL4J would (or continues only approximately, as Adam's), and an updater state or normalizer
+that cannot be used. ``strict=True`` refuses the file instead.
 
 Data goes in as dl4py takes it: sequences ``[batch, time, size]`` (DL4J's default is ``[batch,
 size, time]``), images ``[batch, channels, height, width]`` as DL4J's, or flat rows where DL4J's
@@ -25,9 +30,12 @@ import numpy as np
 import torch
 
 from dl4py.config.input_type import InputType
+from dl4py.data.normalizers import Normalizer
 from dl4py.dl4j.config_json import DL4JConfiguration, MappedNetwork, map_network, read_configuration
-from dl4py.dl4j.model_zip import COEFFICIENTS, CONFIGURATION, UPDATER_STATE, ModelZip, open_model_zip
+from dl4py.dl4j.model_zip import COEFFICIENTS, CONFIGURATION, NORMALIZER, UPDATER_STATE, ModelZip, open_model_zip
 from dl4py.dl4j.ndarray import DL4JFileError, read_array
+from dl4py.dl4j.normalizer_file import load_normalizer
+from dl4py.dl4j.optimizer_state import StatePlan, load_state, plan_state, read_state, set_position
 from dl4py.dl4j.param_layout import ParamSlot, check_count, param_slots, split_parameters
 from dl4py.nn.network import MultiLayerNetwork
 
@@ -38,12 +46,15 @@ _PRECISION_OF_ARRAY = {np.dtype(np.float32): "float", np.dtype(np.float64): "dou
 _ARRAY_HEADER_BYTES = 1024
 # Torch entries no DL4J parameter fills: batch norm's update counter (DL4J keeps none).
 _NOT_FROM_DL4J = ("num_batches_tracked",)
+# normalizer.bin: a header, a few doubles and at most four statistics arrays of the input's size.
+_NORMALIZER_ARRAYS = 4
 
 
 def import_dl4j(path, *, input_type: InputType | None = None, precision: str | None = None,
                 strict: bool = False) -> MultiLayerNetwork:
     """The MultiLayerNetwork DL4J saved at ``path`` (``ModelSerializer.writeModel``), built and
-    holding DL4J's parameters exactly, ready for ``output``, ``evaluate`` and ``fit``.
+    holding DL4J's parameters exactly, its updater state, training counters and normalizer,
+    ready for ``output``, ``evaluate`` and ``fit`` (which continues DL4J's training).
 
     ``input_type``: where the file does not hold the input's shape (a network that starts with
     a convolution and has no input preprocessor). ``precision``: instead of the file's.
@@ -53,26 +64,42 @@ def import_dl4j(path, *, input_type: InputType | None = None, precision: str | N
     >>> net.output(features)                                             # doctest: +SKIP
     """
     plan = plan_import(path, input_type)
-    if strict and plan.left_out:
-        raise DL4JFileError(plan.archive.name, "strict import, but it would leave out: " + "; ".join(plan.left_out))
+    _refuse_if_strict(strict, plan.archive, plan.left_out)
     flat = _coefficients(plan.archive, plan.slots)
+    states, lines = read_state(plan.archive, plan.state)  # read and checked before anything is built
+    left_out = plan.left_out + tuple(lines)
+    _refuse_if_strict(strict, plan.archive, left_out)
     model = MultiLayerNetwork(plan.mapped.config, precision=precision or plan.mapped.precision or _array_precision(flat))
     model.init()
     load_parameters(model, plan.slots, flat, f"{plan.archive.name}:{COEFFICIENTS}")
-    if plan.left_out:
-        log.warning("%s: imported; left out: %s", plan.archive.name, "; ".join(plan.left_out))
+    set_position(model, plan.state)
+    if states is not None:
+        load_state(model, plan.slots, plan.state, states)
+    if plan.normalizer is not None:
+        model.set_normalizer(plan.normalizer)
+    if left_out:
+        log.warning("%s: imported; left out: %s", plan.archive.name, "; ".join(left_out))
     return model
+
+
+def _refuse_if_strict(strict: bool, archive: ModelZip, left_out) -> None:
+    if strict and left_out:
+        raise DL4JFileError(archive.name, "strict import, but it would leave out: " + "; ".join(left_out))
 
 
 @dataclass(frozen=True)
 class ImportPlan:
-    """What ``import_dl4j`` would do with a zip, worked out without reading its parameters:
-    the configuration as read and as mapped, the parameter slots, and what would be left out."""
+    """What ``import_dl4j`` would do with a zip, worked out without reading its parameters or
+    updater state: the configuration as read and as mapped, the parameter slots, what becomes
+    of the updater state (``state``), the normalizer (None where the zip has none, or one dl4py
+    cannot use), and what would be left out (a wrong-sized updater state shows at import only)."""
 
     archive: ModelZip
     conf: DL4JConfiguration
     mapped: MappedNetwork
     slots: list[ParamSlot]
+    state: StatePlan
+    normalizer: Normalizer | None
     left_out: tuple[str, ...]
 
 
@@ -85,7 +112,10 @@ def plan_import(path, input_type: InputType | None = None) -> ImportPlan:
                                           "(dl4py imports DL4J MultiLayerNetworks now)")
     mapped = map_network(conf, input_type)
     slots = param_slots(conf, mapped.prefixes)
-    return ImportPlan(archive, conf, mapped, slots, tuple(_left_out(archive, mapped)))
+    state = plan_state(conf, slots, mapped.config.updater, archive.has(UPDATER_STATE))
+    normalizer, normalizer_lines = _normalizer(archive, mapped)
+    left_out = _archive_left_out(archive) + list(mapped.left_out) + list(state.left_out) + normalizer_lines
+    return ImportPlan(archive, conf, mapped, slots, state, normalizer, tuple(left_out))
 
 
 def _coefficients(archive: ModelZip, slots: list[ParamSlot]) -> np.ndarray:
@@ -106,11 +136,23 @@ def _array_precision(flat: np.ndarray) -> str:
     return _PRECISION_OF_ARRAY[flat.dtype]
 
 
-def _left_out(archive: ModelZip, mapped: MappedNetwork) -> list[str]:
-    lines = archive.left_out()
-    if archive.has(UPDATER_STATE):
-        lines.append(f"{UPDATER_STATE} (the updater's state: not imported yet, fit starts a fresh updater)")
-    return lines + list(mapped.left_out)
+def _archive_left_out(archive: ModelZip) -> list[str]:
+    """The zip's entries left out: the Java-serialized ones."""
+    return archive.left_out()
+
+
+def _normalizer(archive: ModelZip, mapped: MappedNetwork) -> tuple[Normalizer | None, list[str]]:
+    """DL4J's normalizer as dl4py's, or a line saying why not (a type dl4py lacks, labels
+    normalized too, a damaged entry): the network itself is whole without it."""
+    if not archive.has(NORMALIZER):
+        return None, []
+    where = f"{archive.name}:{NORMALIZER}"
+    values = int(np.prod([size or 1 for size in mapped.config.input_type.example_shape()]))
+    try:
+        data = archive.read(NORMALIZER, max_bytes=_NORMALIZER_ARRAYS * (values * 8 + _ARRAY_HEADER_BYTES) + 1024)
+        return load_normalizer(data, where), []
+    except DL4JFileError as exc:
+        return None, [f"{exc} (not imported: normalize the inputs as DL4J did)"]
 
 
 @torch.no_grad()

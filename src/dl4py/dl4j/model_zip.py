@@ -6,7 +6,7 @@ What ``ModelSerializer.writeModel`` puts in the zip (DL4J 0.7 to 1.0):
 - ``configuration.json``: the MultiLayerConfiguration or ComputationGraphConfiguration;
 - ``coefficients.bin``: every parameter as one ND4J row vector (``read_array``);
 - ``updaterState.bin``: the updater's state, one row vector, when saved with the updater;
-- ``normalizer.bin``: a data normalizer (DL4J 0.9 on), read by the normalizer import, not here;
+- ``normalizer.bin``: a data normalizer (DL4J 0.9 on), read by the importer (``normalizer_file``);
 - ``preprocessor.bin`` (0.7-era data normalizer) and ``updater.bin`` (0.7-era updater): Java
   objects written with ``ObjectOutputStream``. Reading one means running Java's
   deserialization, which can do anything the classes named in the file allow: dl4py never
@@ -63,12 +63,9 @@ class ModelZip:
         return entry in self.entries
 
     def left_out(self) -> list[str]:
-        """One line per entry dl4py does not read, and why."""
-        lines = [f"{entry} ({what}, a Java-serialized object: dl4py never deserializes one)"
-                 for entry, what in JAVA_SERIALIZED.items() if entry in self.entries]
-        if NORMALIZER in self.entries:
-            lines.append(f"{NORMALIZER} (the data normalizer: not imported yet; normalize inputs as DL4J did)")
-        return lines
+        """One line per entry dl4py never reads (the Java-serialized ones), and why."""
+        return [f"{entry} ({what}, a Java-serialized object: dl4py never deserializes one)"
+                for entry, what in JAVA_SERIALIZED.items() if entry in self.entries]
 
     def read(self, entry: str, max_bytes: int | None = None) -> bytes:
         """The bytes of ``entry``; a DL4JFileError naming the file and the entry when it is

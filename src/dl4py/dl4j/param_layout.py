@@ -30,6 +30,24 @@ The layouts, as DL4J's sources write them:
   LSTM: these slots name the entries such a module would hold (``peephole_f/o/i_l0``).
 - ``GravesBidirectionalLSTMParamInitializer``: forward ``WF, RWF, bF``, then backward ``WB, RWB,
   bB``, each as GravesLSTM's; torch's names for the backward direction end in ``_reverse``.
+- ``ConvolutionParamInitializer`` for a 1-D convolution (``Convolution1DLayer``): a 2-D one over
+  ``[time, 1]``: ``b``, then ``W`` [nOut, nIn, k, 1] in C order, ``nn.Conv1d.weight`` [nOut, nIn, k]
+  with the unit axis dropped (``kernelSize`` is ``[k, 1]`` in the file: only its first value counts).
+- ``DeconvolutionParamInitializer``: ``b`` first, then ``W`` [nIn, nOut, kH, kW] in C order, which
+  is ``nn.ConvTranspose2d.weight`` as it is (DL4J permutes it to libnd4j's [kH, kW, nOut, nIn]).
+- ``SimpleRnnParamInitializer``: ``W`` [nIn, nOut], ``RW`` [nOut, nOut] (Fortran order), ``b``
+  [nOut], and with ``hasLayerNorm`` the gains ``g`` [2 nOut]. ``nn.RNN``'s ``weight_ih_l0`` and
+  ``weight_hh_l0`` are W and RW transposed; its two biases as the LSTM's. dl4py has no simple RNN
+  layer: these are the entries an ``nn.RNN`` module under ``rnn`` would hold.
+- ``BidirectionalParamInitializer``: the wrapped layer's parameters twice, the forward copy's keys
+  prefixed ``f``, then the backward copy's prefixed ``b`` (``fW, fRW, fb, bW, bRW, bb`` around an
+  LSTM); torch's names for the backward direction end in ``_reverse``.
+- ``SameDiffParamInitializer`` for ``SelfAttentionLayer`` (its ``defineParameters``): with
+  ``projectInput``, ``Wq``, ``Wk``, ``Wv`` [nHeads, headSize, nIn] then ``Wo`` [nHeads headSize,
+  nOut], all in C order (``paramReshapeOrder`` 'c'). The three input projections lie back to back,
+  head after head, as the rows of dl4py's fused ``qkv`` projection (query, key, value; within each,
+  head by head): they are one slot here, ``Wq+Wk+Wv``. ``Wo`` is ``out.weight`` transposed.
+  Without ``projectInput``: none.
 - Layers without parameters (pooling, dropout, activation, padding): none.
 """
 
@@ -42,6 +60,7 @@ import numpy as np
 
 from dl4py.dl4j import custom_layers
 from dl4py.dl4j.config_json import DL4JConfiguration, DL4JLayer, LayerFields, wrapped_layer
+from dl4py.dl4j.json_dialects import inner_layer
 from dl4py.dl4j.ndarray import DL4JFileError
 
 # DL4J's layer classes -> their parameter initializer.
@@ -53,9 +72,13 @@ _INITIALIZER_OF = {
     "BatchNormalization": "BatchNormalizationParamInitializer", "LSTM": "LSTMParamInitializer",
     "GravesLSTM": "GravesLSTMParamInitializer",
     "GravesBidirectionalLSTM": "GravesBidirectionalLSTMParamInitializer",
+    "Convolution1DLayer": "ConvolutionParamInitializer", "Convolution1D": "ConvolutionParamInitializer",
+    "Deconvolution2D": "DeconvolutionParamInitializer", "SimpleRnn": "SimpleRnnParamInitializer",
+    "Bidirectional": "BidirectionalParamInitializer", "SelfAttentionLayer": "SameDiffParamInitializer",
 }
 for _kind in ("SubsamplingLayer", "Pooling2D", "DropoutLayer", "ActivationLayer", "GlobalPoolingLayer",
-              "ZeroPaddingLayer", "Upsampling2D", "LossLayer", "Cropping2D"):
+              "ZeroPaddingLayer", "Upsampling2D", "LossLayer", "Cropping2D", "Subsampling1DLayer", "Pooling1D",
+              "ZeroPadding1DLayer", "Cropping1D", "Upsampling1D", "RnnLossLayer", "CnnLossLayer"):
     _INITIALIZER_OF[_kind] = "EmptyParamInitializer"
 # nn.LSTM's gate rows i, f, g, o are DL4J's column blocks 3, 1, 0, 2 (see the module docstring).
 LSTM_BLOCKS = (3, 1, 0, 2)
@@ -186,11 +209,42 @@ def _embedding(fields: LayerFields, prefix: str, names: dict) -> list:
 def _convolution(fields: LayerFields, prefix: str, names: dict) -> list:
     n_in, n_out = _sizes(fields, "nIn", "nOut")
     k_h, k_w = fields.pair("kernelSize")
-    shape = (n_out, n_in, k_h, k_w)
+    shape = torch_shape = (n_out, n_in, k_h, k_w)
+    if fields.layer.kind in _ONE_D:  # [nOut, nIn, k, 1]: nn.Conv1d's [nOut, nIn, k]
+        shape, torch_shape = (n_out, n_in, k_h, 1), (n_out, n_in, k_h)
+    slots = [_vector("b", n_out, _name(prefix, names, "b", "bias"))] if fields.get("hasBias", True) else []
+    slots.append(("W", shape, "c", [_name(prefix, names, "W", "weight")],
+                  lambda seg: (seg.reshape(torch_shape),), lambda arrays: arrays[0].reshape(-1)))
+    return slots
+
+
+def _deconvolution(fields: LayerFields, prefix: str, names: dict) -> list:
+    n_in, n_out = _sizes(fields, "nIn", "nOut")
+    shape = (n_in, n_out) + fields.pair("kernelSize")
     slots = [_vector("b", n_out, _name(prefix, names, "b", "bias"))] if fields.get("hasBias", True) else []
     slots.append(("W", shape, "c", [_name(prefix, names, "W", "weight")],
                   lambda seg: (seg.reshape(shape),), lambda arrays: arrays[0].reshape(-1)))
     return slots
+
+
+def _same_diff(fields: LayerFields, prefix: str, names: dict) -> list:
+    if fields.layer.kind != "SelfAttentionLayer":
+        raise fields.error("dl4py does not know how this SameDiff layer defines its parameters")
+    if not fields.get("projectInput", False):
+        return []
+    n_in, n_out = _sizes(fields, "nIn", "nOut")
+    heads = fields.integer("nHeads", "nheads", default=1)
+    head_size = fields.integer("headSize", default=0) or n_out // max(heads, 1)  # DL4J's builder: nOut / nHeads
+    if heads <= 0 or head_size <= 0:
+        raise fields.error(f"nHeads {heads} and headSize {head_size}: its parameters cannot be laid out")
+    inner = heads * head_size
+    projections = (3, heads, head_size, n_in)  # Wq, Wk, Wv back to back: the rows of qkv
+    return [
+        ("Wq+Wk+Wv", projections, "c", [_name(prefix, names, "Wq+Wk+Wv", "qkv.weight")],
+         lambda seg: (seg.reshape(3 * inner, n_in),), lambda arrays: arrays[0].reshape(-1)),
+        ("Wo", (inner, n_out), "c", [_name(prefix, names, "Wo", "out.weight")],
+         lambda seg: (seg.reshape(inner, n_out).T,), lambda arrays: arrays[0].T.reshape(-1)),
+    ]
 
 
 def _batch_normalization(fields: LayerFields, prefix: str, names: dict) -> list:
@@ -211,12 +265,40 @@ def _vector(key: str, size: int, name: str):
     return key, (size,), "c", [name], lambda seg: (seg.copy(),), lambda arrays: arrays[0].reshape(-1)
 
 
-def _lstm(fields: LayerFields, prefix: str, names: dict) -> list:
-    return _lstm_direction(fields, prefix, names, peepholes=False, keys=("W", "RW", "b"), suffix="")
+def _lstm(fields: LayerFields, prefix: str, names: dict, key_prefix: str = "", suffix: str = "") -> list:
+    keys = tuple(key_prefix + key for key in ("W", "RW", "b"))
+    return _lstm_direction(fields, prefix, names, peepholes=False, keys=keys, suffix=suffix)
 
 
-def _graves_lstm(fields: LayerFields, prefix: str, names: dict) -> list:
-    return _lstm_direction(fields, prefix, names, peepholes=True, keys=("W", "RW", "b"), suffix="")
+def _graves_lstm(fields: LayerFields, prefix: str, names: dict, key_prefix: str = "", suffix: str = "") -> list:
+    keys = tuple(key_prefix + key for key in ("W", "RW", "b"))
+    return _lstm_direction(fields, prefix, names, peepholes=True, keys=keys, suffix=suffix)
+
+
+def _simple_rnn(fields: LayerFields, prefix: str, names: dict, key_prefix: str = "", suffix: str = "") -> list:
+    n_in, n = _sizes(fields, "nIn", "nOut")
+    w_key, rw_key, b_key, g_key = (key_prefix + key for key in ("W", "RW", "b", "g"))
+    rnn = f"{prefix}.rnn"
+    slots = [
+        (w_key, (n_in, n), "f", [_name(rnn, names, w_key, f"weight_ih_l0{suffix}")],
+         lambda seg: (seg.reshape(n_in, n, order="F").T,), lambda arrays: arrays[0].T.reshape(-1, order="F")),
+        (rw_key, (n, n), "f", [_name(rnn, names, rw_key, f"weight_hh_l0{suffix}")],
+         lambda seg: (seg.reshape(n, n, order="F").T,), lambda arrays: arrays[0].T.reshape(-1, order="F")),
+        (b_key, (n,), "c", [_name(rnn, names, b_key, f"bias_ih_l0{suffix}"), f"{rnn}.bias_hh_l0{suffix}"],
+         lambda seg: (seg.copy(), np.zeros(n, dtype=seg.dtype)), lambda arrays: arrays[0] + arrays[1]),
+    ]
+    if fields.get("hasLayerNorm", False):  # what a layer-normalized RNN module would hold
+        slots.append(_vector(g_key, 2 * n, f"{rnn}.layer_norm_gains_l0{suffix}"))
+    return slots
+
+
+def _bidirectional(fields: LayerFields, prefix: str, names: dict) -> list:
+    inner = inner_layer(fields, "fwd")
+    direction = _DIRECTIONS.get(inner.layer.kind) if inner is not None else None
+    if direction is None:
+        wrapped = inner.layer.kind if inner is not None else "nothing"
+        raise fields.error(f"a Bidirectional around {wrapped}: dl4py does not know how DL4J lays out its parameters")
+    return direction(inner, prefix, names, "f", "") + direction(inner, prefix, names, "b", "_reverse")
 
 
 def _graves_bidirectional(fields: LayerFields, prefix: str, names: dict) -> list:
@@ -273,6 +355,10 @@ def _empty(fields: LayerFields, prefix: str, names: dict) -> list:
     return []
 
 
+# The recurrent layers a Bidirectional may wrap: (fields, prefix, names, key prefix, torch suffix).
+_DIRECTIONS = {"LSTM": _lstm, "GravesLSTM": _graves_lstm, "SimpleRnn": _simple_rnn}
+_ONE_D = ("Convolution1DLayer", "Convolution1D")
+
 _LAYOUTS = {
     "DefaultParamInitializer": _default,
     "EmbeddingLayerParamInitializer": _embedding,
@@ -282,6 +368,11 @@ _LAYOUTS = {
     "GravesLSTMParamInitializer": _graves_lstm,
     "GravesBidirectionalLSTMParamInitializer": _graves_bidirectional,
     "EmptyParamInitializer": _empty,
+    "DeconvolutionParamInitializer": _deconvolution,
+    "SimpleRnnParamInitializer": _simple_rnn,
+    "BidirectionalParamInitializer": _bidirectional,
+    "SameDiffParamInitializer": _same_diff,
 }
-# custom_layers lists the initializers a registration may name without importing this module.
-assert tuple(_LAYOUTS) == custom_layers.INITIALIZERS, "param_layout and custom_layers disagree on the initializers"
+# custom_layers lists the initializers a registration may name without importing this module:
+# each of them is laid out here (the ones added since are for DL4J's own layers only, so far).
+assert set(custom_layers.INITIALIZERS) <= set(_LAYOUTS), "custom_layers offers an initializer param_layout lacks"

@@ -22,7 +22,9 @@ Within a state, element ``i`` belongs to element ``i`` of the parameter's segmen
 into tensors exactly as it turns the weights.
 
 ``TORCH_STATE`` says which torch optimizer state each DL4J state becomes, and whether training
-goes on exactly as DL4J's would (``to_torch_state``, ``from_torch_state``).
+goes on exactly as DL4J's would (``to_torch_state``, ``from_torch_state``), for DL4J's updater as
+it runs from 1.0.0-beta3 on: on the minibatch's mean gradient. Older DL4J stepped it with the
+summed gradient and divided after it, so its state is in other units (``optimizer_state``).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ _ALIASES = {name.lower(): name for name in STATE_NAMES} | {"none": "NoOp"}
 
 
 @dataclass(frozen=True)
-class ParamSlot:
+class UpdaterSlot:
     """One parameter in DL4J's flat order: where it is (for messages), how many values, and its
     updater: ``updater`` (``"Adam"``, ``"NESTEROVS"``, ``"org.nd4j.linalg.learning.config.Adam"``)
     and ``settings``, a hashable of its hyperparameters and schedules. Slots share a block only
@@ -148,7 +150,7 @@ def _pieces(slots, layout: str):
         start += len(STATE_NAMES[slots[members[0]].kind]) * sum(slots[i].count for i in members)
 
 
-def _same_block(before: ParamSlot, slot: ParamSlot) -> bool:
+def _same_block(before: UpdaterSlot, slot: UpdaterSlot) -> bool:
     """``UpdaterUtils.updaterConfigurationsEquals`` for two consecutive parameters."""
     if (before.kind, before.settings) != (slot.kind, slot.settings):
         return False
@@ -157,7 +159,7 @@ def _same_block(before: ParamSlot, slot: ParamSlot) -> bool:
     return True
 
 
-def _count(slot: ParamSlot) -> int:
+def _count(slot: UpdaterSlot) -> int:
     if isinstance(slot.count, bool) or not isinstance(slot.count, (int, np.integer)) or slot.count < 0:
         raise ValueError(f"layer {slot.layer!r} parameter {slot.key!r}: count must be a whole number >= 0, "
                          f"got {slot.count!r}")
