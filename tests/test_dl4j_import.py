@@ -220,9 +220,13 @@ def test_the_slots_go_back_to_the_flat_vector_exactly():
         np.testing.assert_array_equal(join_parameters(slots, tensors), flat)
 
 
-def test_a_computation_graph_is_refused_until_graphs_come():
-    for path in (_zip("CG_LSTM_1"), V100B4 / "SyntheticBidirectionalRNNGraph_100b4.bin"):
-        with pytest.raises(DL4JFileError, match=rf"{path.name}: holds a ComputationGraph: importing graphs comes later"):
+def test_a_graph_whose_layers_dl4py_lacks_is_refused_naming_the_vertex():
+    """Graphs import (tests/test_dl4j_graph_import.py); these two hold layers dl4py has not."""
+    for path, vertex, java in ((_zip("CG_LSTM_1"), "'0', layer 0", "GravesLSTM"),
+                               (V100B4 / "SyntheticBidirectionalRNNGraph_100b4.bin", "'rnn1', layer 0",
+                                "recurrent.Bidirectional")):
+        with pytest.raises(DL4JFileError, match=rf"{path.name}:configuration.json: vertex {vertex} "
+                                                rf"\(org.deeplearning4j.nn.conf.layers.{java}\)"):
             import_dl4j(path)
 
 

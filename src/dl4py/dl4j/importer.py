@@ -1,4 +1,5 @@
-"""``import_dl4j``: a DL4J ModelSerializer zip as a working dl4py MultiLayerNetwork.
+"""``import_dl4j``: a DL4J ModelSerializer zip as a working dl4py MultiLayerNetwork (or, for a
+ComputationGraphConfiguration, a ComputationGraph: ``graph_mapping``).
 
 The steps, each in its own module: open the zip with every size checked (``model_zip``), read
 configuration.json in its dialect and map it onto a NetworkConfig (``config_json``), lay
@@ -32,11 +33,13 @@ import torch
 from dl4py.config.input_type import InputType
 from dl4py.data.normalizers import Normalizer
 from dl4py.dl4j.config_json import DL4JConfiguration, MappedNetwork, map_network, read_configuration
+from dl4py.dl4j.graph_mapping import DL4JGraph, MappedGraph, map_graph, read_graph
 from dl4py.dl4j.model_zip import COEFFICIENTS, CONFIGURATION, NORMALIZER, UPDATER_STATE, ModelZip, open_model_zip
 from dl4py.dl4j.ndarray import DL4JFileError, read_array
 from dl4py.dl4j.normalizer_file import load_normalizer
 from dl4py.dl4j.optimizer_state import StatePlan, load_state, plan_state, read_state, set_position
 from dl4py.dl4j.param_layout import ParamSlot, check_count, param_slots, split_parameters
+from dl4py.nn.graph import ComputationGraph
 from dl4py.nn.network import MultiLayerNetwork
 
 log = logging.getLogger("dl4py.dl4j")
@@ -50,14 +53,17 @@ _NOT_FROM_DL4J = ("num_batches_tracked",)
 _NORMALIZER_ARRAYS = 4
 
 
-def import_dl4j(path, *, input_type: InputType | None = None, precision: str | None = None,
-                strict: bool = False) -> MultiLayerNetwork:
+def import_dl4j(path, *, input_type: InputType | dict[str, InputType] | None = None, precision: str | None = None,
+                strict: bool = False) -> MultiLayerNetwork | ComputationGraph:
     """The MultiLayerNetwork DL4J saved at ``path`` (``ModelSerializer.writeModel``), built and
     holding DL4J's parameters exactly, its updater state, training counters and normalizer,
     ready for ``output``, ``evaluate`` and ``fit`` (which continues DL4J's training).
 
+    A ComputationGraphConfiguration becomes a ComputationGraph (``graph_mapping``).
+
     ``input_type``: where the file does not hold the input's shape (a network that starts with
-    a convolution and has no input preprocessor). ``precision``: instead of the file's.
+    a convolution and has no input preprocessor); for a graph, one per network input name
+    (a dict), or one InputType for a graph with one input. ``precision``: instead of the file's.
     ``strict``: refuse the file when anything is left out (see the module docstring).
 
     >>> net = dl4py.import_dl4j("lenet.zip")                             # doctest: +SKIP
@@ -69,7 +75,8 @@ def import_dl4j(path, *, input_type: InputType | None = None, precision: str | N
     states, lines = read_state(plan.archive, plan.state)  # read and checked before anything is built
     left_out = plan.left_out + tuple(lines)
     _refuse_if_strict(strict, plan.archive, left_out)
-    model = MultiLayerNetwork(plan.mapped.config, precision=precision or plan.mapped.precision or _array_precision(flat))
+    model_class = MultiLayerNetwork if plan.graph is None else ComputationGraph
+    model = model_class(plan.mapped.config, precision=precision or plan.mapped.precision or _array_precision(flat))
     model.init()
     load_parameters(model, plan.slots, flat, f"{plan.archive.name}:{COEFFICIENTS}")
     set_position(model, plan.state)
@@ -92,30 +99,39 @@ class ImportPlan:
     """What ``import_dl4j`` would do with a zip, worked out without reading its parameters or
     updater state: the configuration as read and as mapped, the parameter slots, what becomes
     of the updater state (``state``), the normalizer (None where the zip has none, or one dl4py
-    cannot use), and what would be left out (a wrong-sized updater state shows at import only)."""
+    cannot use), and what would be left out (a wrong-sized updater state shows at import only).
+    For a graph, ``graph`` is the graph as read, ``mapped`` a MappedGraph, and the slots' layer
+    indices are those of ``graph.layers`` (the layer vertices in DL4J's topological order)."""
 
     archive: ModelZip
     conf: DL4JConfiguration
-    mapped: MappedNetwork
+    mapped: MappedNetwork | MappedGraph
     slots: list[ParamSlot]
     state: StatePlan
     normalizer: Normalizer | None
     left_out: tuple[str, ...]
+    graph: DL4JGraph | None = None
 
 
-def plan_import(path, input_type: InputType | None = None) -> ImportPlan:
+def plan_import(path, input_type: InputType | dict[str, InputType] | None = None) -> ImportPlan:
     """The ``ImportPlan`` of the zip at ``path``; the same errors as ``import_dl4j``."""
     archive = open_model_zip(path)
     conf = read_configuration(archive.read_configuration(), f"{archive.name}:{CONFIGURATION}")
+    graph = None
     if conf.is_graph:
-        raise DL4JFileError(archive.name, "holds a ComputationGraph: importing graphs comes later "
-                                          "(dl4py imports DL4J MultiLayerNetworks now)")
-    mapped = map_network(conf, input_type)
-    slots = param_slots(conf, mapped.prefixes)
-    state = plan_state(conf, slots, mapped.config.updater, archive.has(UPDATER_STATE))
+        graph = read_graph(conf)
+        if input_type is not None and not isinstance(input_type, dict):
+            input_type = {name: input_type for name in graph.inputs}
+        mapped = map_graph(graph, input_type)
+        layers = graph.layers  # the layer vertices in DL4J's topological order: its flat parameters' order
+    else:
+        mapped = map_network(conf, input_type)
+        layers = conf
+    slots = param_slots(layers, mapped.prefixes)
+    state = plan_state(layers, slots, mapped.config.updater, archive.has(UPDATER_STATE))
     normalizer, normalizer_lines = _normalizer(archive, mapped)
     left_out = _archive_left_out(archive) + list(mapped.left_out) + list(state.left_out) + normalizer_lines
-    return ImportPlan(archive, conf, mapped, slots, state, normalizer, tuple(left_out))
+    return ImportPlan(archive, conf, mapped, slots, state, normalizer, tuple(left_out), graph)
 
 
 def _coefficients(archive: ModelZip, slots: list[ParamSlot]) -> np.ndarray:
@@ -141,12 +157,14 @@ def _archive_left_out(archive: ModelZip) -> list[str]:
     return archive.left_out()
 
 
-def _normalizer(archive: ModelZip, mapped: MappedNetwork) -> tuple[Normalizer | None, list[str]]:
+def _normalizer(archive: ModelZip, mapped: MappedNetwork | MappedGraph) -> tuple[Normalizer | None, list[str]]:
     """DL4J's normalizer as dl4py's, or a line saying why not (a type dl4py lacks, labels
     normalized too, a damaged entry): the network itself is whole without it."""
     if not archive.has(NORMALIZER):
         return None, []
     where = f"{archive.name}:{NORMALIZER}"
+    if mapped.config.input_type is None:  # a graph with several inputs: DL4J's normalizer is a MultiDataSet one
+        return None, [f"{where}: not imported (a graph with several inputs): normalize the inputs as DL4J did"]
     values = int(np.prod([size or 1 for size in mapped.config.input_type.example_shape()]))
     try:
         data = archive.read(NORMALIZER, max_bytes=_NORMALIZER_ARRAYS * (values * 8 + _ARRAY_HEADER_BYTES) + 1024)
@@ -156,7 +174,8 @@ def _normalizer(archive: ModelZip, mapped: MappedNetwork) -> tuple[Normalizer | 
 
 
 @torch.no_grad()
-def load_parameters(model: MultiLayerNetwork, slots: list[ParamSlot], flat: np.ndarray, where: str) -> None:
+def load_parameters(model: MultiLayerNetwork | ComputationGraph, slots: list[ParamSlot], flat: np.ndarray,
+                    where: str) -> None:
     """DL4J's flat parameters into a built model's tensors, by ``slots``; every parameter and
     buffer of the model must be filled (what none fills would keep a random start)."""
     values = split_parameters(slots, flat, where)

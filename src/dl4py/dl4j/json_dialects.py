@@ -97,6 +97,12 @@ def read_configuration(text: str, where: str) -> DL4JConfiguration:
     return DL4JConfiguration(where, layers, preprocessors, _data_type(data), data)
 
 
+def read_layer_conf(index: int, conf: Any, where: str) -> DL4JLayer:
+    """A NeuralNetConfiguration holding one layer (a MultiLayerConfiguration's ``confs[i]``, a
+    graph LayerVertex's ``layerConf``) as the layer ``index``, in either dialect."""
+    return _read_layer(index, conf, where)
+
+
 def _read_layer(index: int, conf: Any, where: str) -> DL4JLayer:
     layer = conf.get("layer") if isinstance(conf, dict) else None
     if not isinstance(layer, dict) or not layer:
