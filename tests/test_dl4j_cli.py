@@ -52,3 +52,19 @@ def test_a_dl4py_file_given_for_a_dl4j_one_is_named(tmp_path, capsys):
     assert "has no configuration.json entry" in capsys.readouterr().err
     assert main(["import-dl4j", str(ours), "--output", str(ours)]) == 2  # never over the input
     assert "is the DL4J file itself" in capsys.readouterr().err
+
+
+def test_dl4py_export_format_dl4j_writes_a_zip_that_imports_as_the_same_network(tmp_path, capsys):
+    """The way back: a dl4py model file, exported as DL4J's zip, imports with the same
+    parameters and outputs (docs/dl4j-import.md; tests/test_dl4j_write.py tests the writer)."""
+    ours = tmp_path / "moon.dl4py"
+    model = dl4py.import_dl4j(MOON)
+    model.save(ours)
+    assert main(["export", str(ours), "--format", "dl4j"]) == 0
+    written = tmp_path / "moon.zip"  # beside the model by default
+    assert capsys.readouterr().out.strip() == str(written)
+    again = dl4py.import_dl4j(written)
+    features = torch.from_numpy(np.random.default_rng(1).normal(size=(8, 2)).astype(np.float32))
+    assert torch.equal(again.output(features), model.output(features))
+    for (name, a), b in zip(model.module.state_dict().items(), again.module.state_dict().values()):
+        assert torch.equal(a, b), name

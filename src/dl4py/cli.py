@@ -157,13 +157,14 @@ def _parser() -> argparse.ArgumentParser:
     predict.add_argument("--batch-size", type=int, default=1024)
     predict.add_argument("--backend", choices=["auto", "cpu", "gpu"])
 
-    export = sub.add_parser("export", help="a saved model as ONNX, TorchScript or a weights-only model file")
+    export = sub.add_parser("export", help="a saved model as ONNX, TorchScript, a weights-only model file or a DL4J zip")
     export.add_argument("model", type=Path, help="a model file, or a run directory")
-    export.add_argument("--format", default="onnx", choices=["onnx", "torchscript", "safetensors"],
-                        help="onnx (needs dl4py[export]), torchscript, or safetensors: a dl4py model file "
-                             "without updater state, for inference (default onnx)")
-    export.add_argument("--output", type=Path, help="default: beside the model, model.onnx, model.pt or "
-                                                    "model.weights.dl4py")
+    export.add_argument("--format", default="onnx", choices=["onnx", "torchscript", "safetensors", "dl4j"],
+                        help="onnx (needs dl4py[export]), torchscript, safetensors: a dl4py model file "
+                             "without updater state, for inference, or dl4j: a ModelSerializer zip DL4J "
+                             "loads (docs/dl4j-import.md) (default onnx)")
+    export.add_argument("--output", type=Path, help="default: beside the model, model.onnx, model.pt, "
+                                                    "model.weights.dl4py or model.zip")
 
     dl4j = sub.add_parser("import-dl4j", help="a model DL4J saved (ModelSerializer zip) as a dl4py model file, "
                                              "parameters exact (docs/dl4j-import.md)")
@@ -582,7 +583,7 @@ def _export(args) -> int:
     model_path = _saved_model(args.model)
     # ONNX and TorchScript files compute in float32 whatever the training precision (the
     # float32 master weights are read where the file has them); the weights-only file keeps it.
-    model = load(model_path, backend="cpu", precision=None if args.format == "safetensors" else "float")
+    model = load(model_path, backend="cpu", precision=None if args.format in ("safetensors", "dl4j") else "float")
     output = args.output or default_path(model_path, args.format)
     if output.resolve() == model_path.resolve():
         raise DataError(f"{output}: is the model file itself; give another --output")

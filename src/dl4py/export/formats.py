@@ -9,6 +9,9 @@
 - ``safetensors``: a dl4py model file holding only what inference needs (config, weights in
   safetensors entries, normalizer; no updater state, no float32 master copy, no generator
   state), which ``dl4py.load`` reads.
+- ``dl4j``: a DL4J ModelSerializer zip (``dl4py.dl4j.save_dl4j``: DL4J 1.0's JSON, parameters,
+  updater state, normalizer) that DL4J's ``ModelSerializer.restoreMultiLayerNetwork`` loads,
+  for a network of the layers both sides have (docs/dl4j-import.md).
 """
 
 from __future__ import annotations
@@ -23,20 +26,21 @@ from pathlib import Path
 
 import torch
 
+from dl4py.dl4j.writer import save_dl4j
 from dl4py.errors import DataError, MissingDependencyError
 from dl4py.export.wrapper import InferenceModule
 from dl4py.io import atomic_write_bytes
 from dl4py.nn.serialization import model_bytes
 
-FORMATS = ("onnx", "torchscript", "safetensors")
-SUFFIXES = {"onnx": ".onnx", "torchscript": ".pt", "safetensors": ".weights.dl4py"}
+FORMATS = ("onnx", "torchscript", "safetensors", "dl4j")
+SUFFIXES = {"onnx": ".onnx", "torchscript": ".pt", "safetensors": ".weights.dl4py", "dl4j": ".zip"}
 INPUT_NAME, OUTPUT_NAME = "features", "predictions"
 OPSET = 18  # the exporter's default in torch 2.13; ONNX Runtime runs it
 
 
 def export(model, path, format: str = "onnx") -> Path:
     """Write ``model`` (a MultiLayerNetwork or ComputationGraph) to ``path`` in ``format``
-    (``onnx``, ``torchscript`` or ``safetensors``); returns the path. The model is not changed.
+    (``onnx``, ``torchscript``, ``safetensors`` or ``dl4j``); returns the path. The model is not changed.
 
     >>> export(model, "lenet.onnx")                      # doctest: +SKIP
     >>> export(model, "lenet.weights.dl4py", "safetensors")  # doctest: +SKIP
@@ -44,12 +48,13 @@ def export(model, path, format: str = "onnx") -> Path:
     if format not in FORMATS:
         raise DataError(f"unknown export format {format!r}; one of {', '.join(FORMATS)}")
     path = Path(path)
-    {"onnx": _onnx, "torchscript": _torchscript, "safetensors": _weights_only}[format](model, path)
+    {"onnx": _onnx, "torchscript": _torchscript, "safetensors": _weights_only, "dl4j": save_dl4j}[format](model, path)
     return path
 
 
 def default_path(model_path, format: str) -> Path:
-    """Beside the model file: ``model.dl4py`` -> ``model.onnx``, ``model.pt``, ``model.weights.dl4py``."""
+    """Beside the model file: ``model.dl4py`` -> ``model.onnx``, ``model.pt``, ``model.weights.dl4py``,
+    ``model.zip``."""
     model_path = Path(model_path)
     return model_path.with_name(model_path.name.split(".")[0] + SUFFIXES[format])
 
