@@ -78,6 +78,7 @@ from dl4py.config.graph import (
     SubsetVertex,
 )
 from dl4py.train import TrainingInterrupted
+from dl4py.train.keras_callbacks import EarlyStopping, ModelCheckpoint
 from dl4py.inference import ParallelInference
 
 __all__ = [
@@ -96,5 +97,6 @@ __all__ = [
     "Convolution1DLayer", "Deconvolution2D", "LayerNormalization", "SelfAttentionLayer",
     "Subsampling1DLayer", "Upsampling2D", "ZeroPaddingLayer",
     "InferenceError", "ParallelInference",
+    "EarlyStopping", "ModelCheckpoint",
     "import_dl4j",
 ]

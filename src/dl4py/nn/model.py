@@ -20,6 +20,7 @@ from torch import nn
 
 from dl4py.backend import Backend, Precision, resolve_backend, resolve_precision
 from dl4py.backend.cuda_environment import environment
+from dl4py.data.adapters import _array_like  # the test as_iterator applies to an (x, y) pair
 from dl4py.data.adapters import as_iterator as adapt
 from dl4py.data.dataset import DataSet
 from dl4py.data.normalizers import Normalizer
@@ -240,16 +241,24 @@ class Model:
         return sum(p.numel() for p in self.module.parameters())
 
     # ---- training ----------------------------------------------------------------------
-    def fit(self, data, epochs: int = 1, listeners: Iterable = (), batch_size: int | None = None, *,
-            validation=None, validation_split: float | None = None, metrics=None,
-            shuffle: bool | None = None, label=None, features=None, verbose="auto",
-            accumulate_batches: int | None = None, normalizer=None) -> "History":
-        """Train for ``epochs`` more epochs on a DataSetIterator (or a DataSet / (x, y) pair).
+    def fit(self, x, y=None, batch_size: int | None = None, epochs: int | None = None, *,
+            listeners: Iterable = (), callbacks: Iterable | None = None, validation=None,
+            validation_split: float | None = None, metrics=None, shuffle: bool | None = None, label=None,
+            features=None, verbose="auto", accumulate_batches: int | None = None, normalizer=None) -> "History":
+        """Train for ``epochs`` (default 1) more epochs on ``x`` and its labels ``y``, as Keras'
+        ``fit(x, y, batch_size, epochs)`` (arrays, tensors, pandas: batches of ``batch_size``,
+        32 by default, shuffled each epoch), or on data that carries its labels, ``y`` left out:
+        a DataSetIterator, a DataSet, an ``(x, y)`` pair, a DataFrame with ``label=``, a
+        DataLoader, ... (``dl4py.data.adapters``). ``fit(iterator, 5)`` is DL4J's
+        ``fit(iterator, numEpochs)``.
 
         ``validation`` (the same kinds of data) or ``validation_split`` (a fraction of the
         training data, held out by a seeded permutation) scores the model after each epoch:
-        ``val_loss`` and ``val_<metric>`` for each of ``metrics`` (default: accuracy).
-        Returns a ``History`` (Keras' shape: ``history.history["val_accuracy"]``). Ctrl-C
+        ``val_loss`` and ``val_<metric>`` for each of ``metrics`` (default: accuracy for a
+        classifier). The training batches give ``loss`` and, where the metrics include it,
+        ``accuracy`` (from the step's own outputs). Returns a ``History`` (Keras' shape:
+        ``history.history["val_accuracy"]``). ``listeners`` (DL4J's name) or ``callbacks``
+        (Keras'): TrainingListeners, e.g. ``EarlyStopping`` and ``ModelCheckpoint``. Ctrl-C
         stops after the current step, leaves the model consistent and raises
         ``TrainingInterrupted``. ``verbose`` (Keras'): 0 silent, 1 a progress bar, 2 a line
         per epoch, "auto" a bar on a terminal or in a notebook, else lines (``train/progress.py``).
@@ -257,11 +266,17 @@ class Model:
         ``set_accumulate_batches`` does (it stays set for later fits; None keeps the setting).
         ``normalizer`` (an unfitted ``dl4py.data.normalizers`` one): fitted here on the training
         rows only, after ``validation_split`` has held its rows out, then set on the model (as a
-        run config's ``data.normalizer``); one fitted beforehand on all of ``data`` would have
+        run config's ``data.normalizer``); one fitted beforehand on all of the data would have
         seen the held-out rows.
         """
 
-        if accumulate_batches is not None:  # before anything else: a wrong value fails first
+        data, epochs = _data_and_epochs(x, y, epochs)
+        listeners = list(listeners)
+        if callbacks is not None:
+            if listeners:
+                raise ConfigError("callbacks", "is Keras' name for listeners=; give one of them, not both")
+            listeners = list(callbacks)
+        if accumulate_batches is not None:  # before the data is read: a wrong value fails first
             self.set_accumulate_batches(accumulate_batches)
 
         # Arrays, DataFrames and Datasets are batched by dl4py (32 by default) and shuffled each
@@ -279,22 +294,23 @@ class Model:
         self.check_data(iterator)  # every label, before the first step rather than at a torch error
         if validation is not None:
             self.check_data(validation)  # not found wrong only after an epoch of training
-        listeners = list(listeners)
         total = self.epoch_count + epochs if isinstance(epochs, int) else None  # a wrong one: fit says so
         listeners += console_listeners(verbose, total, batches_of(iterator), listeners)
         return loop.fit(self, iterator, epochs, listeners, validation=validation,
                    metrics=None if metrics is None else list(metrics))
 
     # ---- what trainers use (the single-device loop, parallel workers) ----------------------
-    def train_step(self, features: torch.Tensor | None, labels: torch.Tensor | None) -> torch.Tensor | None:
+    def train_step(self, features: torch.Tensor | None, labels: torch.Tensor | None,
+                   observe=None) -> torch.Tensor | None:
         """One minibatch forward, backward and update (``dl4py.train.step``), on prepared
         inputs (``prepare_batch``). Returns the loss, detached and on the device: reading it
         is the caller's choice, so a step never waits for the GPU. ``(None, None)``: a
-        parallel worker without a batch this round applies the shared update only."""
+        parallel worker without a batch this round applies the shared update only.
+        ``observe(outputs, labels)``, when given, sees the batch's outputs (training metrics)."""
         if self._train_step is None:
 
             self._train_step = make_train_step(self, gradient_hook=self._gradient_hook)
-        loss = self._train_step(features, labels)
+        loss = self._train_step(features, labels, observe)
         if loss is not None:
             self.training_state.set_score(loss)
         return loss
@@ -396,12 +412,16 @@ class Model:
         """Predictions for ``data`` (anything ``fit`` takes; labels ignored) as numpy: a
         classifier's class index per example (the highest output; a one-column output at 0.5),
         a regressor's output values (regression loss: mse, l1, ...). The model's normalizer
-        applies. ``batch_size``: examples per forward pass (default 4096, or the data's own batches)."""
+        applies. ``batch_size``: examples per forward pass (default 4096, or the data's own batches).
+
+        Class indices, as scikit-learn's ``predict``: **not** Keras' ``predict``, which returns
+        the output layer's probabilities. For those, ``predict_proba(data)`` (numpy) or
+        ``output(features)`` (a tensor on the model's device)."""
         return predictions(self, data, batch_size, label)
 
     def predict_proba(self, data, batch_size: int | None = None, *, label=None) -> np.ndarray:
         """``output(data)`` as numpy: the output layer's activations (class probabilities
-        for a softmax output)."""
+        for a softmax output): what Keras' ``predict`` returns."""
         return probabilities(self, data, batch_size, label)
 
     def evaluate(self, data, *, batch_size: int | None = None, label=None, features=None) -> "Evaluation":
@@ -517,6 +537,25 @@ def _for_loop(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     the weights at a sharded update's peak). Equal within rounding (nn/optimizers.py)."""
     off = {key: False for key in KERNEL_KEYS if key in optimizer.defaults}
     return type(optimizer)([{**group, **off} for group in optimizer.param_groups], **{**optimizer.defaults, **off})
+
+
+def _data_and_epochs(x, y, epochs):
+    """``fit``'s data and epochs from its first arguments: ``(x, y)`` for features and labels
+    given apart (Keras), ``x`` alone for data that carries its labels, and an int ``y`` as
+    the epochs (DL4J's ``fit(iterator, numEpochs)``)."""
+    if isinstance(y, int) and not isinstance(y, bool):
+        if epochs is not None:
+            raise TypeError(f"fit() got the epochs twice: {y} as its second argument and epochs={epochs!r}")
+        return x, y
+    epochs = 1 if epochs is None else epochs
+    if y is None:
+        return x, epochs
+    if not _array_like(x):
+        raise DataError(f"fit(x, y): y goes with features given as arrays, tensors or pandas objects; x is "
+                        f"{type(x).__name__}, which carries its own labels: leave y out")
+    if not _array_like(y):
+        raise DataError(f"fit(x, y): y must be an array, a tensor or a pandas object, got {type(y).__name__}")
+    return (x, y), epochs
 
 
 def _fitted_on(normalizer, training):

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dl4py.errors import DataError
 from dl4py.nn.loading import load
-from dl4py.nn.serialization import model_bytes
+from dl4py.nn.model_file import read_model_file
+from dl4py.nn.serialization import _restore_masters, model_bytes  # the masters restored as a load restores them
 from dl4py.train.early_stopping.savers import EarlyStoppingModelSaver
 
 
@@ -32,6 +34,20 @@ class InMemoryModelSaver(EarlyStoppingModelSaver):
 
     def get_latest_model(self, into=None, backend=None):
         return None if self.latest is None else load(self.latest, into=into, backend=backend)
+
+    def restore_best_weights(self, model) -> bool:
+        """Put the best model's weights (parameters, buffers, float32 masters) back into
+        ``model``, in place, as Keras' ``restore_best_weights`` does: its updater state,
+        counters and normalizer stay as training left them. False when none was kept."""
+        if self.best is None:
+            return False
+        saved = read_model_file(self.best)
+        try:
+            model.module.load_state_dict(saved.weights)
+        except RuntimeError as exc:
+            raise DataError(f"restore_best_weights: the kept weights do not fit the model: {exc}") from None
+        _restore_masters(model, saved.masters)
+        return True
 
 
 class LocalFileModelSaver(EarlyStoppingModelSaver):

@@ -27,8 +27,9 @@ from dl4py.config.run import checked_batches  # noqa: F401
 class AccumulatingStep:
     """``step(features, labels)``, updating every ``batches``-th call; made by ``train.step.make_train_step``.
 
-    ``backward(features, labels, weight)`` adds a batch's weighted gradient to the stepped
-    parameters' ``.grad`` and returns its (unweighted) loss; ``update(took_part)`` applies
+    ``backward(features, labels, weight, observe)`` adds a batch's weighted gradient to the
+    stepped parameters' ``.grad``, shows ``observe`` (when given) the batch's outputs, and
+    returns its (unweighted) loss; ``update(took_part)`` applies
     the gradients held there. ``step(None, None)`` is a round without a batch of a parallel
     worker: it counts towards the window (every worker updates in the same round, as the
     gradient sharing's collective needs) and adds nothing.
@@ -42,7 +43,8 @@ class AccumulatingStep:
         self._first = 0  # the window's first batch size: the weights' denominator is batches * first
         self._took_part = False  # a batch was given in the window (a hybrid rank's may have no rows)
 
-    def __call__(self, features: torch.Tensor | None, labels: torch.Tensor | None) -> torch.Tensor | None:
+    def __call__(self, features: torch.Tensor | None, labels: torch.Tensor | None,
+                 observe=None) -> torch.Tensor | None:
         if self.pending == 0:
             self._clear()  # a new window: the last update's gradients go
         loss = None
@@ -51,7 +53,7 @@ class AccumulatingStep:
             self._first = self._first or size
             # A window of one batch needs no weight: its gradient is the batch's own, untouched.
             weight = size / (self.batches * self._first) if self.batches > 1 else None
-            loss = self._backward(features, labels, weight)
+            loss = self._backward(features, labels, weight, observe)
             self._examples += size
             self._took_part = True
         self.pending += 1

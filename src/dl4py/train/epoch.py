@@ -1,7 +1,8 @@
 """One epoch, whoever trains it: what the single-device loop and every parallel worker share.
 
 - ``EpochTally``: the per-step work and counting of an epoch (first-batch checks, the step,
-  the loss summed on the device, batches, examples, time) and its summary;
+  the loss summed on the device, batches, examples, time, and where asked the training
+  accuracy from the step's own outputs) and its summary;
 - ``epoch_rng``: the epoch's randomness, seeded for each batch from (seed, epoch, batch,
   stream), so that a run resumed anywhere draws what the uninterrupted one did (``randomness.py``);
 - ``check_finite`` and ``finish_epoch``: the NaN verdict and the counters of a completed epoch;
@@ -20,6 +21,7 @@ import torch
 from dl4py.errors import TrainingError
 from dl4py.train.history import current_learning_rate
 from dl4py.train.randomness import epoch_rng
+from dl4py.train.training_accuracy import RunningAccuracy
 
 __all__ = ["EpochSummary", "EpochTally", "Meeting", "Turn", "check_finite", "epoch_rng", "finish_epoch", "run_epoch"]
 
@@ -35,6 +37,7 @@ class EpochSummary:
     learning_rate: float | None = None  # of the epoch's last update
     validation: dict | None = None  # val_loss, val_<metric>: the held-out score after the epoch
     skipped_steps: int | None = None  # updates the loss scaler skipped (overflow); None without one
+    accuracy: float | None = None  # on the training batches as they were met (training_accuracy.py)
 
     @property
     def samples_per_second(self) -> float:
@@ -43,9 +46,21 @@ class EpochSummary:
     def to_dict(self) -> dict:
         return {**asdict(self), "samples_per_second": self.samples_per_second}
 
+    @classmethod
+    def planned_keys(cls, accuracy: bool, validation_metrics=None, skipped_steps: bool = False) -> list[str]:
+        """The keys ``record`` will have (History's), known before the first batch: with the
+        training ``accuracy``, ``val_loss`` and ``val_<name>`` of each of ``validation_metrics``
+        (None: no validation), ``skipped_steps`` where a loss scaler skips updates."""
+        validation = None if validation_metrics is None else dict.fromkeys(
+            ["val_loss", *(f"val_{name}" for name in validation_metrics)])
+        planned = cls(0, 0, 0, 0.0, 0.0, accuracy=0.0 if accuracy else None, validation=validation,
+                      skipped_steps=0 if skipped_steps else None)
+        return [key for key in planned.record() if key != "epoch"]
+
     def record(self) -> dict:
         """The epoch as History and ``metrics.jsonl`` show it (Keras' key names)."""
-        return {"epoch": self.epoch, "loss": self.mean_loss, "seconds": self.seconds,
+        return {"epoch": self.epoch, "loss": self.mean_loss,
+                **({} if self.accuracy is None else {"accuracy": self.accuracy}), "seconds": self.seconds,
                 "samples_per_second": self.samples_per_second, "learning_rate": self.learning_rate,
                 "batches": self.batches, "examples": self.examples,
                 **({} if self.skipped_steps is None else {"skipped_steps": self.skipped_steps}),
@@ -54,10 +69,13 @@ class EpochSummary:
 
 class EpochTally:
     """The steps of one epoch on one model: ``train`` each prepared batch, then ``summary``.
-    Nothing here reads the device: the loss sum stays there until the caller asks."""
+    Nothing here reads the device: the loss sum stays there until the caller asks.
+    ``accuracy``: count the training accuracy too (a fit whose metrics include it)."""
 
-    def __init__(self, model, epoch: int):
+    def __init__(self, model, epoch: int, accuracy: bool = False):
         self.model, self.epoch = model, epoch
+        self.accuracy = RunningAccuracy(model) if accuracy else None
+        self._observe = None if self.accuracy is None else self.accuracy.observe  # what the step shows its outputs
         self.batches = self.examples = 0
         self.last_loss: torch.Tensor | None = None  # of the last batch trained here
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=model.backend.device)
@@ -70,7 +88,7 @@ class EpochTally:
         if self.batches == 0:
             self.model.check_features(features, where)
             self.model.check_labels(labels, where)
-        loss = self.last_loss = self.model.train_step(features, labels)
+        loss = self.last_loss = self.model.train_step(features, labels, self._observe)
         self.loss_sum += loss
         self.batches += 1
         self.examples += features.shape[0]
@@ -84,15 +102,18 @@ class EpochTally:
 
     def summary(self, completed: bool = True, batches: int | None = None, examples: int | None = None,
                 loss_sum: float | None = None, skipped_steps: int | None = None) -> EpochSummary:
-        """The epoch as it ended here, or with the totals over all workers when given."""
+        """The epoch as it ended here, or with the totals over all workers when given (the
+        training accuracy, counted here only, is then left out rather than misstated)."""
         skipped_steps = self.skipped_steps if skipped_steps is None else skipped_steps
         batches = self.batches if batches is None else batches
         examples = self.examples if examples is None else examples
         loss_sum = float(self.loss_sum) if loss_sum is None else loss_sum
         mean = loss_sum / batches if batches else float("nan")
+        own = examples == self.examples
+        accuracy = self.accuracy.value() if self.accuracy is not None and own else None
         return EpochSummary(self.epoch, batches, examples, mean, time.perf_counter() - self.started,
                             completed=completed, learning_rate=current_learning_rate(self.model),
-                            skipped_steps=skipped_steps)
+                            skipped_steps=skipped_steps, accuracy=accuracy)
 
 
 @dataclass
@@ -132,14 +153,15 @@ class Meeting(Protocol):
         """The epoch's summary after its last step; None when it was interrupted."""
 
 
-def run_epoch(model, meeting: Meeting, listeners) -> "EpochSummary | None":
+def run_epoch(model, meeting: Meeting, listeners, accuracy: bool = False) -> "EpochSummary | None":
     """One epoch (or the rest of one, after a resume) of ``model``, whoever trains it: the
     single-device fit and every rank of a parallel fit run this loop; ``meeting`` is what
-    differs. ``listeners``: a ``Listeners``. None when interrupted."""
+    differs. ``listeners``: a ``Listeners``. ``accuracy``: count the training accuracy
+    (``EpochTally``). None when interrupted."""
     epoch = model.epoch_count
     meeting.begin(model, epoch)
     listeners.on_epoch_start(model, epoch)
-    tally = EpochTally(model, epoch)
+    tally = EpochTally(model, epoch, accuracy)
     with meeting.turns(model, epoch) as turns:
         for turn in turns:
             if turn.features is None:

@@ -2,6 +2,7 @@
 
     history = model.fit(train, epochs=5, validation=val)
     history.history["loss"]          # mean training loss of each epoch
+    history.history["accuracy"]      # a classifier's accuracy on the epoch's training batches
     history.history["val_accuracy"]  # validation accuracy after each epoch
     history.epoch                    # [0, 1, 2, 3, 4]: the model's epoch numbers
 

@@ -27,8 +27,25 @@ class TrainingListener:
     def on_fit_end(self, model, interrupted: bool) -> None: ...
 
 
+class MonitoringListener(TrainingListener):
+    """A listener that reads keys of the epoch records (History's keys: ``val_loss``,
+    ``accuracy``, ...), as Keras' ``EarlyStopping`` and ``ModelCheckpoint`` do. Before the
+    first step the fit shows it the keys its History will have, so that a key it can never
+    read is one error at the start rather than after an epoch's training."""
+
+    def check_keys(self, keys: list[str]) -> None:
+        """Raise ConfigError, naming the key and ``keys``, for a key this listener reads that
+        ``keys`` lacks."""
+        raise NotImplementedError
+
+
 class Listeners(list):
     """The fit's listeners as one: each event goes to every listener, in order."""
+
+    def check_keys(self, keys: list[str]) -> None:
+        for listener in self:
+            if isinstance(listener, MonitoringListener):
+                listener.check_keys(keys)
 
     def on_fit_start(self, model) -> None:
         for listener in self:

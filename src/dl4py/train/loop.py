@@ -21,7 +21,7 @@ from dl4py.train.history import History
 from dl4py.train.interrupt import DeferredInterrupt
 from dl4py.train.listeners import Listeners
 from dl4py.train.local_meeting import LocalMeeting
-from dl4py.train.validation import validation_record
+from dl4py.train.validation import fit_metrics, validation_record
 
 # Where they were first defined; the epoch's parts now live in train/epoch.py.
 __all__ = ["EpochSummary", "TrainingInterrupted", "check_finite", "data_source", "epoch_rng", "fit"]
@@ -33,23 +33,30 @@ class TrainingInterrupted(DL4PyError):
 
 
 def fit(model, iterator, epochs: int, listeners: list, validation=None, metrics=None) -> History:
-    """Train ``epochs`` epochs; after each, score ``validation`` (an iterator) when given."""
+    """Train ``epochs`` epochs; after each, score ``validation`` (an iterator) when given.
+    The training accuracy is counted when the fit's metrics include it (a classifier's
+    default). A listener may stop the fit after an epoch (``model.request_stop`` in its
+    ``on_epoch_end``: Keras' EarlyStopping)."""
     if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 0:
         raise ValueError(f"fit: epochs must be a non-negative integer, got {epochs!r}")
     model.init()
+    listeners = Listeners(listeners)
+    names = fit_metrics(model, metrics)
+    accuracy = "accuracy" in names
+    listeners.check_keys(EpochSummary.planned_keys(accuracy, None if validation is None else names,
+                                                   model.precision_state.scales_loss))
     model.module.train()
     model.clear_stop_request()
     iterator = data_source(model, iterator)
     history = History()
     interrupted = False
     iterations_before = model.iteration_count
-    listeners = Listeners(listeners)
     with DeferredInterrupt() as interrupt:
         meeting = LocalMeeting(iterator, interrupt)
         listeners.on_fit_start(model)
         try:
             for _ in range(epochs):
-                summary = run_epoch(model, meeting, listeners)
+                summary = run_epoch(model, meeting, listeners, accuracy)
                 if summary is None:
                     interrupted = True
                     break
@@ -59,8 +66,8 @@ def fit(model, iterator, epochs: int, listeners: list, validation=None, metrics=
                         model.module.train()
                     listeners.on_epoch_end(model, summary)  # one may add to the summary (EpochValidation)
                 history.append(summary)
-                if not summary.completed:
-                    break  # a listener asked to stop (early stopping)
+                if not summary.completed or model.stop_reason is not None:
+                    break  # a listener asked to stop, during the epoch or at its end (early stopping)
         except Exception:
             # A pass that trained and then failed: the next fit starts this epoch over, on
             # whatever data it is given. A fit that failed before its first step (wrong data

@@ -61,6 +61,9 @@ def make_train_step(model, gradient_hook=None) -> Callable[[torch.Tensor, torch.
     shares gradients there); ``step(None, None)`` is then a step without a batch of this
     worker's, which applies the shared update. The step is an ``AccumulatingStep``: it
     updates on every ``model.accumulate_batches``-th call (every call by default).
+    ``step(features, labels, observe)`` also hands the batch's outputs (as the module gave
+    them, computed before the update) and labels to ``observe``: training metrics come from
+    the forward pass the step ran anyway (``train/training_accuracy.py``).
     """
     module, optimizer, loss_fn, precision = forward_function(model), model.optimizer, model.loss, model.precision_state
     scheduled = model.learning_rate_at(0, 0) is not None
@@ -69,11 +72,13 @@ def make_train_step(model, gradient_hook=None) -> Callable[[torch.Tensor, torch.
             and model.accumulate_batches == 1:
         return _plain_step(model, module, optimizer, loss_fn)
 
-    def backward(features, labels, weight=None):
+    def backward(features, labels, weight=None, observe=None):
         with precision.forward_context():
             outputs = module(features)
         loss = loss_fn(precision.for_loss(outputs), labels)  # outside autocast, as the policy's own
         precision.backward(loss if weight is None else loss * weight)
+        if observe is not None:
+            observe(outputs, labels)
         return loss.detach()
 
     def update(took_part):
@@ -96,10 +101,13 @@ def _plain_step(model, module, optimizer, loss_fn):
     """The common case, with no call it does not need: no precision extras, no hook, no
     schedule, no accumulation."""
 
-    def step(features, labels):
+    def step(features, labels, observe=None):
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(module(features), labels)
+        outputs = module(features)
+        loss = loss_fn(outputs, labels)
         loss.backward()
+        if observe is not None:
+            observe(outputs, labels)
         optimizer.step()
         model.training_state.count_update()
         return loss.detach()

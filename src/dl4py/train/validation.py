@@ -19,6 +19,7 @@ import torch
 
 from dl4py.data import ArrayDataSetIterator
 from dl4py.errors import ConfigError, DataError
+from dl4py.eval.select import new_evaluation
 from dl4py.train.listeners import TrainingListener
 
 SPLIT_SEED_OFFSET = 7919  # the split's permutation is not the first epoch's shuffle order
@@ -57,6 +58,13 @@ def validation_record(model, data, metrics=None) -> dict:
     for name in metrics or default_metrics(evaluation):
         record[f"val_{name}"] = metric_value(evaluation, name)
     return record
+
+
+def fit_metrics(model, metrics=None) -> tuple[str, ...]:
+    """The metrics a fit records, known before its first batch: those asked for, else the
+    default of the evaluation the model's loss calls for (accuracy for a classifier). The
+    training accuracy is recorded when they include accuracy; validation scores each."""
+    return tuple(metrics) if metrics else default_metrics(new_evaluation(model))
 
 
 class EpochValidation(TrainingListener):

@@ -56,12 +56,17 @@ class MaxEpochs(EpochTerminationCondition):
 @dataclass
 class ScoreImprovement(EpochTerminationCondition):
     """Stop when the score has not improved by more than ``min_delta`` for ``patience``
-    epochs since the best one (DL4J's ScoreImprovementEpochTerminationCondition)."""
+    epochs since the best one (DL4J's ScoreImprovementEpochTerminationCondition).
+
+    ``baseline`` (Keras' EarlyStopping): an improvement restarts the patience only when it
+    also beats the baseline by more than ``min_delta``; until one does, the patience counts
+    from the start (epoch 0 is the first epoch without improvement on the baseline)."""
 
     patience: int
     min_delta: float = 0.0
+    baseline: float | None = None
     _best: float = field(default=math.nan, init=False, repr=False)
-    _best_epoch: int = field(default=-1, init=False, repr=False)
+    _since: int = field(default=-1, init=False, repr=False)  # the last epoch that restarted the patience
 
     def __post_init__(self):
         _positive(self.patience, "patience", "ScoreImprovement")
@@ -69,20 +74,24 @@ class ScoreImprovement(EpochTerminationCondition):
             raise ConfigError("ScoreImprovement.min_delta", f"must be zero or more, got {self.min_delta}")
 
     def initialize(self):
-        self._best, self._best_epoch = math.nan, -1
+        self._best, self._since = math.nan, -1
 
     def terminate(self, epoch, score, minimize):
-        if math.isnan(self._best):
-            self._best, self._best_epoch = score, epoch
+        if math.isnan(self._best) or _gain(self._best, score, minimize) > self.min_delta:
+            self._best = score
+            if self.baseline is None or _gain(self.baseline, score, minimize) > self.min_delta:
+                self._since = epoch
             return False
-        improvement = self._best - score if minimize else score - self._best
-        if improvement > self.min_delta:
-            self._best, self._best_epoch = score, epoch
-            return False
-        return epoch >= self._best_epoch + self.patience
+        return epoch >= self._since + self.patience
 
     def __str__(self):
-        return f"ScoreImprovement(patience={self.patience}, min_delta={self.min_delta})"
+        baseline = "" if self.baseline is None else f", baseline={self.baseline}"
+        return f"ScoreImprovement(patience={self.patience}, min_delta={self.min_delta}{baseline})"
+
+
+def _gain(reference: float, score: float, minimize: bool) -> float:
+    """How much better ``score`` is than ``reference`` (negative: worse)."""
+    return reference - score if minimize else score - reference
 
 
 @dataclass

@@ -3,7 +3,9 @@
 The single-device trainer calls it from a listener and after each epoch. In parallel
 training it lives where the run directory is written (the coordinating process, or rank 0
 under torchrun) and makes the epoch decisions, which every worker follows; the workers
-ask only the iteration conditions (``first_firing``), each about its own losses.
+ask only the iteration conditions (``first_firing``), each about its own losses. Keras'
+``EarlyStopping`` listener runs one inside ``Model.fit``; its ``ModelCheckpoint`` keeps
+the best model with the controller's ``BestModel`` (``train/keras_callbacks.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,31 @@ import math
 from dl4py.train.early_stopping.configuration import EarlyStoppingConfiguration, EarlyStoppingResult
 
 log = logging.getLogger("dl4py")
+
+
+class BestModel:
+    """The best score so far, the epoch that scored it, and the saver that keeps that model:
+    a score strictly better than the best (NaN never is) goes to ``saver.save_best``."""
+
+    def __init__(self, saver, minimize: bool, initial: float = math.nan):
+        """``initial``: a score the first kept model must beat (NaN: none)."""
+        self.saver, self.minimize = saver, minimize
+        self.epoch, self.score = -1, initial
+
+    def offer(self, model, epoch: int, score: float) -> bool:
+        """Keep ``model`` when ``score`` is the best yet; True if it was kept."""
+        if not self.better(score):
+            return False
+        self.epoch, self.score = epoch, score
+        self.saver.save_best(model, score)
+        return True
+
+    def better(self, score: float) -> bool:
+        if math.isnan(score):
+            return False
+        if math.isnan(self.score):
+            return True
+        return score < self.score if self.minimize else score > self.score
 
 
 class EarlyStoppingController:
@@ -28,13 +55,21 @@ class EarlyStoppingController:
             condition.initialize()
         self.first_epoch = first_epoch
         self.score_vs_epoch: dict[int, float] = {}
-        self.best_epoch, self.best_score = -1, math.nan
+        self.best = BestModel(self.config.model_saver, self.minimize)
         self.epochs_done = 0
         self.last_score = math.nan
 
     @property
     def minimize(self) -> bool:
         return self.config.score_calculator.minimize_score
+
+    @property
+    def best_epoch(self) -> int:
+        return self.best.epoch
+
+    @property
+    def best_score(self) -> float:
+        return self.best.score
 
     def check_iteration(self, loss: float) -> str | None:
         """The first iteration condition that fires on this minibatch loss, described; else None."""
@@ -49,9 +84,7 @@ class EarlyStoppingController:
             score = float(self.config.score_calculator.calculate_score(model))
             self.score_vs_epoch[epoch] = score
             self.last_score = score
-            if self._better(score):
-                self.best_epoch, self.best_score = epoch, score
-                self.config.model_saver.save_best(model, score)
+            self.best.offer(model, epoch, score)
             if self.config.save_last_model:
                 self.config.model_saver.save_latest(model, score)
             log.info("epoch %d: score %.6f (best %.6f at epoch %d)", epoch, score, self.best_score, self.best_epoch)
@@ -59,13 +92,6 @@ class EarlyStoppingController:
             if (evaluated or not condition.needs_score) and condition.terminate(local, self.last_score, self.minimize):
                 return str(condition)
         return None
-
-    def _better(self, score: float) -> bool:
-        if math.isnan(score):
-            return False
-        if math.isnan(self.best_score):
-            return True
-        return score < self.best_score if self.minimize else score > self.best_score
 
     def result(self, reason: str, details: str, history=None) -> EarlyStoppingResult:
         return EarlyStoppingResult(
