@@ -105,9 +105,12 @@ def _plain_step(model, module, optimizer, loss_fn):
         optimizer.zero_grad(set_to_none=True)
         outputs = module(features)
         loss = loss_fn(outputs, labels)
-        loss.backward()
         if observe is not None:
             observe(outputs, labels)
+        # The graph keeps what backward needs; a name here would hold the outputs through
+        # backward, where the step's memory peaks (what memory/ estimates, to the byte on a CPU).
+        del outputs
+        loss.backward()
         optimizer.step()
         model.training_state.count_update()
         return loss.detach()
