@@ -51,3 +51,13 @@ def mnist_rows(train: bool, rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
     images, labels = load_mnist(train, require_mnist())
     return (images.numpy()[rows].reshape(len(rows), 784).astype(np.float32) / np.float32(255),
             labels.numpy()[rows])
+
+
+# DL4J's activations written out in numpy, for the tests' equations.
+def sigmoid(x):
+    return 1 / (1 + np.exp(-x))
+
+
+def softmax(x):
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)

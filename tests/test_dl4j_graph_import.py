@@ -26,6 +26,7 @@ from dl4py.dl4j.param_layout import split_parameters
 from dl4py.dl4j.ndarray import write_array
 from dl4py.nn import graph as graph_module
 from test_dl4j_import import _activation, _dense, _graves
+from dl4j_data import sigmoid, softmax
 
 MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "dl4j-models"
 needs_dl4j_files = pytest.mark.skipif(not MODELS.is_dir(), reason=f"DL4J's model files are not in {MODELS}")
@@ -188,15 +189,6 @@ def test_the_0_8_dialect_graph_imports_to_the_same_places(tmp_path):
     assert net.config.vertices["sum"].vertex.op == "add" and net.config.vertices["out"].layer.activation == "softmax"
 
 
-def _sigmoid(x):
-    return 1 / (1 + np.exp(-x))
-
-
-def _softmax(x):
-    e = np.exp(x - x.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
-
-
 def test_the_imported_graph_computes_dl4j_s_vertices(tmp_path):
     """DenseLayer: act(x W + b) with W [nIn, nOut] read in Fortran order; ElementWiseVertex Add,
     MergeVertex (side by side along features), SubsetVertex (from..to, both included), softmax."""
@@ -207,13 +199,13 @@ def test_the_imported_graph_computes_dl4j_s_vertices(tmp_path):
     w_b, b_b = params[:8].reshape(2, 4, order="F"), params[8:12]
     w_a, b_a = params[12:24].reshape(3, 4, order="F"), params[24:28]
     w_o, b_o = params[28:40].reshape(6, 2, order="F"), params[40:42]
-    summed = np.tanh(a @ w_a + b_a) + _sigmoid(b @ w_b + b_b)
+    summed = np.tanh(a @ w_a + b_a) + sigmoid(b @ w_b + b_b)
     merged = np.concatenate([summed, a], axis=1)
     logits = merged[:, 1:7] @ w_o + b_o
     with torch.no_grad():  # the module, in double: output() packs several inputs into one float32 row
         got = net.module((torch.from_numpy(b), torch.from_numpy(a))).numpy()
     np.testing.assert_allclose(got, logits, rtol=RTOL, atol=ATOL)
-    np.testing.assert_allclose(net.output([b, a]).numpy(), _softmax(logits), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(net.output([b, a]).numpy(), softmax(logits), rtol=1e-6, atol=1e-7)
 
 
 def test_a_graph_s_updater_state_lands_in_the_momentum_buffers(tmp_path):

@@ -46,7 +46,7 @@ from dl4py.dl4j import (
 )
 from dl4py.dl4j.param_layout import join_parameters, split_parameters
 from dl4py.nn.layer_init import ACTIVATIONS
-from dl4j_data import JavaRandom, dl4j_mnist_order, mnist_rows
+from dl4j_data import JavaRandom, dl4j_mnist_order, mnist_rows, sigmoid, softmax
 
 MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "dl4j-models"
 V080, V100B4, INTEGRATION = MODELS / "regression_testing" / "080", MODELS / "regression_testing" / "100b4", \
@@ -250,15 +250,6 @@ def _network_zip(folder: Path, layers: list[dict], params: np.ndarray) -> Path:
     return path
 
 
-def _sigmoid(x):
-    return 1 / (1 + np.exp(-x))
-
-
-def _softmax(x):
-    e = np.exp(x - x.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
-
-
 def test_an_lstm_runs_dl4j_s_equations_with_the_imported_parameters(tmp_path):
     """LSTMHelpers.activateHelper, written out: z = x W + h RW + b; block 0 through the layer's
     activation is the cell input, blocks 1, 2, 3 through the gate activation are the forget,
@@ -277,10 +268,10 @@ def test_an_lstm_runs_dl4j_s_equations_with_the_imported_parameters(tmp_path):
     h, c, expected = np.zeros((2, n)), np.zeros((2, n)), []
     for t in range(steps):
         z = x[:, t] @ w + h @ rw + b
-        a, f, o, i = np.tanh(z[:, :n]), _sigmoid(z[:, n:2 * n]), _sigmoid(z[:, 2 * n:3 * n]), _sigmoid(z[:, 3 * n:])
+        a, f, o, i = np.tanh(z[:, :n]), sigmoid(z[:, n:2 * n]), sigmoid(z[:, 2 * n:3 * n]), sigmoid(z[:, 3 * n:])
         c = f * c + i * a
         h = o * np.tanh(c)
-        expected.append(_softmax(h @ w_out + b_out))
+        expected.append(softmax(h @ w_out + b_out))
     net = import_dl4j(_network_zip(tmp_path, layers, params))
     assert net.config.input_type == InputType.recurrent(n_in) and net.precision.name == "double"
     np.testing.assert_allclose(net.output(torch.from_numpy(x)).numpy(), np.stack(expected, axis=1), rtol=1e-12)
@@ -304,7 +295,7 @@ def test_batch_normalization_takes_dl4j_s_running_statistics(tmp_path):
         net = import_dl4j(_network_zip(tmp_path, layers, params))
         x = rng.normal(size=(4, 2))
         normed = gamma * (np.tanh(x @ w + b) - mean) / np.sqrt(std ** 2 + 1e-3) + beta
-        np.testing.assert_allclose(net.output(torch.from_numpy(x)).numpy(), _softmax(normed @ w2 + b2), rtol=1e-10)
+        np.testing.assert_allclose(net.output(torch.from_numpy(x)).numpy(), softmax(normed @ w2 + b2), rtol=1e-10)
         assert net.config.layers[1].eps == 1e-3 and net.config.layers[1].decay == 0.9
 
 

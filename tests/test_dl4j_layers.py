@@ -36,6 +36,7 @@ from dl4py.dl4j import (
 from dl4py.dl4j.config_json import read_configuration
 from dl4py.dl4j.param_layout import join_parameters, split_parameters
 from test_dl4j_import import _activation, _layer, _network_zip
+from dl4j_data import sigmoid
 
 MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "dl4j-models"
 LAYERS = "org.deeplearning4j.nn.conf.layers."
@@ -320,10 +321,6 @@ def test_self_attention_without_projection_scales_by_the_input_size(tmp_path):
 
 # ---- recurrent layers dl4py has no layer for: refused, laid out exactly ------------------------------
 
-def _sigmoid(x):
-    return 1 / (1 + np.exp(-x))
-
-
 def _simple_rnn_dl4j(x: np.ndarray, w, rw, b, act=np.tanh) -> np.ndarray:
     """SimpleRnn.activateHelper: out_t = act(x_t W + out_{t-1} RW + b), on [batch, nIn, time]."""
     out, h = [], None
@@ -341,8 +338,8 @@ def _lstm_dl4j(x: np.ndarray, w, rw, b, act=np.tanh) -> np.ndarray:
     h, c, out = np.zeros((x.shape[0], n)), np.zeros((x.shape[0], n)), []
     for t in range(x.shape[2]):
         z = x[:, :, t] @ w + h @ rw + b
-        c = _sigmoid(z[:, n:2 * n]) * c + _sigmoid(z[:, 3 * n:]) * act(z[:, :n])
-        h = _sigmoid(z[:, 2 * n:3 * n]) * act(c)
+        c = sigmoid(z[:, n:2 * n]) * c + sigmoid(z[:, 3 * n:]) * act(z[:, :n])
+        h = sigmoid(z[:, 2 * n:3 * n]) * act(c)
         out.append(h)
     return np.stack(out, axis=2)
 
@@ -467,8 +464,8 @@ def test_synthetic_bidirectional_rnn_graph_s_output_from_the_laid_out_parameters
         h, c, out = np.zeros((x_ncw.shape[0], n)), np.zeros((x_ncw.shape[0], n)), []
         for t in range(x_ncw.shape[2]):
             i, f, g, o = np.split(x_ncw[:, :, t] @ w_ih.T + h @ w_hh.T + bias, 4, axis=1)
-            c = _sigmoid(f) * c + _sigmoid(i) * relu(g)
-            h = _sigmoid(o) * relu(c)
+            c = sigmoid(f) * c + sigmoid(i) * relu(g)
+            h = sigmoid(o) * relu(c)
             out.append(h)
         return np.stack(out, axis=2)
 

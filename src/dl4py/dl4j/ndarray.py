@@ -63,16 +63,21 @@ class DL4JFileError(DataError):
         return type(self), (self.where, self.what)
 
 
+def source_bytes(source, name: str | None, default: str) -> tuple[bytes, str]:
+    """The bytes of ``source`` (a path, bytes, or a binary file object) and the name an error
+    gives them: ``name``, else the path or the file's name, else ``default``."""
+    if isinstance(source, (str, Path)):
+        return Path(source).read_bytes(), name or str(source)
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return bytes(source), name or default
+    return source.read(), name or getattr(source, "name", default)
+
+
 def read_array(source, name: str | None = None) -> np.ndarray:
     """The array in ``source`` (a path, bytes, or a binary file object) as numpy holds it:
     its shape, its data type (BFLOAT16 widened to float32), Fortran order for an ``f`` file.
     ``name`` says where the bytes came from in an error (default: the path)."""
-    if isinstance(source, (str, Path)):
-        data, name = Path(source).read_bytes(), name or str(source)
-    elif isinstance(source, (bytes, bytearray, memoryview)):
-        data, name = bytes(source), name or "the array"
-    else:
-        data, name = source.read(), name or getattr(source, "name", "the array")
+    data, name = source_bytes(source, name, "the array")
     reader = _Reader(data, name)
     array = _read(reader)
     if reader.left:

@@ -31,7 +31,7 @@ import torch
 
 from dl4py.data.normalizers import (EPS, ImagePreProcessingScaler, Normalizer, NormalizerMinMaxScaler,
                                     NormalizerStandardize, normalizer_from_state)
-from dl4py.dl4j.ndarray import DL4JFileError, write_array
+from dl4py.dl4j.ndarray import DL4JFileError, source_bytes, write_array
 # The ND4J array reader that stops where an array ends (read_array wants the array alone);
 # private to this package, shared rather than parsed twice.
 from dl4py.dl4j.ndarray import _read as _read_nd4j_array
@@ -67,12 +67,7 @@ class NormalizerRecord:
 def read_normalizer(source, name: str | None = None) -> NormalizerRecord:
     """The normalizer in ``source`` (a path, bytes, or a binary file object); ``name`` says where
     the bytes came from in an error. Anything but a whole, known normalizer is one DL4JFileError."""
-    if isinstance(source, (str, Path)):
-        data, name = Path(source).read_bytes(), name or str(source)
-    elif isinstance(source, (bytes, bytearray, memoryview)):
-        data, name = bytes(source), name or "normalizer.bin"
-    else:
-        data, name = source.read(), name or getattr(source, "name", "normalizer.bin")
+    data, name = source_bytes(source, name, "normalizer.bin")
     reader = _Reader(data, name)
     kind = _read_header(reader)
     record = NormalizerRecord(kind)
