@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -120,6 +121,16 @@ def test_info_json_is_valid(capsys):
     for key in ("backend", "backend_reason", "devices", "versions", "cpu", "default_dtype", "environment"):
         assert key in info
     assert info["versions"]["torch"]
+
+
+def test_info_says_the_backend_once():
+    """``dl4py info`` reports why it chose its backend; the fall-back warning other commands print
+    once would say it a second time (a fresh process: the warning is once per process)."""
+    proc = subprocess.run([sys.executable, "-m", "dl4py", "info"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "GPU backend unavailable" not in proc.stdout + proc.stderr
+    assert re.search(r"^  why +\S", proc.stdout, re.MULTILINE), proc.stdout
 
 
 @pytest.mark.slow

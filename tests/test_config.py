@@ -269,7 +269,7 @@ def test_overrides_apply_with_types(lenet_run):
 
 
 @pytest.mark.parametrize("assignment, message", [
-    ("training.epoch=3", r"training\.epoch: unknown key 'epoch' in training; valid keys: epochs"),
+    ("training.epoch=3", r"training\.epoch: unknown key 'epoch' in training \(did you mean 'epochs'\?\); valid keys: epochs"),
     ("training.epochs=three", r"training\.epochs: must be an integer, got 'three'"),
     ("training.epochs=0", r"training\.epochs: must be positive, got 0"),
     ("training.batch_size=1.5", r"training\.batch_size: must be int or .auto."),

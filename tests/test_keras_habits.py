@@ -119,6 +119,27 @@ def test_fit_x_y_trains_exactly_as_the_pair_does():
     assert torch_apart.history["loss"] == first.history["loss"][:1]
 
 
+def test_a_graph_of_two_inputs_fits_keras_style_as_with_the_pair():
+    """Keras' ``fit([x1, x2], y)`` for a graph's several inputs: the same training as the pair
+    ``fit(([x1, x2], y))`` the graph took before, and validation_split works on it."""
+    from dl4py import ComputationGraph, GraphConfig
+
+    X, y = binary_task(200)
+    config = GraphConfig.from_dict({
+        "inputs": {"a": {"type": "feed_forward", "size": 12}, "b": {"type": "feed_forward", "size": 8}},
+        "vertices": {"both": {"vertex": {"type": "merge"}, "inputs": ["a", "b"]},
+                     "hidden": {"inputs": ["both"], "layer": {"type": "dense", "n_out": 8, "activation": "relu"}},
+                     "out": {"inputs": ["hidden"], "layer": {"type": "output", "n_out": 2, "loss": "mcxent"}}},
+        "outputs": ["out"], "seed": 3, "updater": {"type": "adam", "learning_rate": 0.01}})
+    apart, paired = ComputationGraph(config), ComputationGraph(config)
+    first = apart.fit([X[:, :12], X[:, 12:]], y, 20, 2, verbose=0)
+    second = paired.fit(([X[:, :12], X[:, 12:]], y), epochs=2, batch_size=20, verbose=0)
+    assert first.history["loss"] == second.history["loss"] and len(first) == 2
+    assert same_state(apart.module.state_dict(), paired.module.state_dict())
+    held_out = ComputationGraph(config).fit([X[:, :12], X[:, 12:]], y, epochs=1, validation_split=0.2, verbose=0)
+    assert held_out[0].examples == 160 and "val_accuracy" in held_out.history
+
+
 def test_keras_positional_batch_size_and_epochs_and_the_other_forms():
     X, y = binary_task(200)
     history = classifier().fit(X, y, 16, 2, verbose=0)  # Keras' order: x, y, batch_size, epochs
@@ -139,7 +160,8 @@ def test_fit_refuses_labels_given_twice_or_where_they_cannot_go():
     model = classifier()
     with pytest.raises(DataError, match=r"fit\(x, y\): y goes with features given as arrays.*ArrayDataSetIterator"):
         model.fit(iterator, y)
-    with pytest.raises(DataError, match="y must be an array, a tensor or a pandas object, got list"):
+    with pytest.raises(DataError, match=r"y must be an array, a tensor or a pandas object \(a list of them for a "
+                                        r"graph's outputs\), got list"):
         model.fit(X, list(y))
     with pytest.raises(TypeError, match="epochs twice"):
         model.fit(iterator, 2, epochs=3)

@@ -8,6 +8,9 @@
                             [--verbose 0|1|2 | --no-progress]
     dl4py evaluate MODEL [--config CONFIG] [--limit N] [--backend B] [--precision P] [--json]
     dl4py summary CONFIG
+    dl4py schema [--output FILE]
+    dl4py completion bash|zsh
+    dl4py --version
     dl4py info [--json]
     dl4py doctor [--json] [--timeout S] [--master-addr ADDR] [--port N]
     dl4py memory CONFIG.yaml [--batch-size N] [--precision P] [--inference]
@@ -42,10 +45,12 @@ import sys
 from pathlib import Path
 
 from dl4py.errors import DL4PyError
+from dl4py.version import __version__
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dl4py", description="Deeplearning4j-style training on PyTorch")
+    parser.add_argument("--version", action="version", version=f"dl4py {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a network from a run config (YAML or JSON)")
@@ -89,6 +94,12 @@ def _parser() -> argparse.ArgumentParser:
 
     summary = sub.add_parser("summary", help="per-layer shapes and parameter counts of a config")
     summary.add_argument("config", type=Path)
+
+    schema = sub.add_parser("schema", help="the run config's JSON Schema, for editors that complete and check YAML")
+    schema.add_argument("--output", type=Path, help="write it to FILE (default: print it)")
+
+    completion = sub.add_parser("completion", help="a shell completion script: eval \"$(dl4py completion bash)\"")
+    completion.add_argument("shell", choices=["bash", "zsh"])
 
     info = sub.add_parser("info", help="backend, devices and versions")
     info.add_argument("--json", action="store_true")
@@ -273,7 +284,7 @@ def _main(argv: list[str]) -> int:
     args.argv = argv  # the command as typed, for the one that continues an interrupted run
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     debug = args.debug or os.environ.get("DL4PY_DEBUG", "") not in ("", "0")
-    commands = {"train": _train, "evaluate": _evaluate, "summary": _summary, "info": _info, "doctor": _doctor,
+    commands = {"train": _train, "evaluate": _evaluate, "summary": _summary, "schema": _schema, "completion": _completion, "info": _info, "doctor": _doctor,
                 "sweep": _sweep, "memory": _memory, "bench": _bench, "ui": _ui, "report": _report,
                 "predict": _predict, "export": _export, "serve": _serve, "import-dl4j": _import_dl4j}
     # A problem with the user's input or machine is one line; a bug of dl4py's own keeps
@@ -517,6 +528,27 @@ def _summary(args) -> int:
     config = RunConfig.from_file(args.config)
     table, _ = (graph_summary_table if isinstance(config.network, GraphConfig) else summary_table)(config.network)
     print(table)
+    return 0
+
+
+def _completion(args) -> int:
+    from dl4py.completion import completion_script
+
+    print(completion_script(_parser(), args.shell), end="")
+    return 0
+
+
+def _schema(args) -> int:
+    from dl4py.config.json_schema import run_config_schema
+    from dl4py.io import atomic_write_bytes
+
+    text = json.dumps(run_config_schema(), indent=2) + "\n"
+    if args.output is None:
+        print(text, end="")
+    else:
+        atomic_write_bytes(args.output, text.encode("utf-8"))
+        print(f"wrote {args.output}: first line of a config, for the YAML language server: "
+              f"# yaml-language-server: $schema={args.output}", file=sys.stderr)
     return 0
 
 

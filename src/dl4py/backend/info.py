@@ -66,7 +66,7 @@ def _backend_or_error():
     """(backend, None), or (None, why) when the settings allow none: reporting that is what
     ``dl4py info`` is for, e.g. ``DL4PY_DEVICES=0,1`` on a one-GPU machine."""
     try:
-        return resolve_backend(), None
+        return resolve_backend(quiet=True), None  # the report says the reason: no second line
     except BackendError as exc:
         return None, f"no backend: {exc}"
 

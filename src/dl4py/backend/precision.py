@@ -26,6 +26,9 @@ _ALIASES = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
     "mixed-fp16": "mixed-fp16", "mixed_fp16": "mixed-fp16", "mixed": "mixed-fp16",
     "mixed-bf16": "mixed-bf16", "mixed_bf16": "mixed-bf16",
+    # Lightning's names (Trainer(precision=...)).
+    "bf16-mixed": "mixed-bf16", "16-mixed": "mixed-fp16", "bf16-true": "bfloat16", "16-true": "half",
+    "32-true": "float", "64-true": "double",
 }
 _PARAM_DTYPE = {
     "float": torch.float32, "double": torch.float64, "half": torch.float16,

@@ -91,8 +91,11 @@ def _first_permitted_gpu() -> torch.device:
     return torch.device("cuda", devices[0])
 
 
-def resolve_backend(requested: str | None = None, env: Mapping[str, str] | None = None) -> Backend:
-    """Decide the backend. ``requested`` (from code, config or CLI) beats the process default."""
+def resolve_backend(requested: str | None = None, env: Mapping[str, str] | None = None, *,
+                    quiet: bool = False) -> Backend:
+    """Decide the backend. ``requested`` (from code, config or CLI) beats the process default.
+    A fall-back to the CPU is said once per process, unless ``quiet`` (a caller that reports the
+    backend's ``reason`` itself, as ``dl4py info`` does)."""
     env = os.environ if env is None else env
     cpu_priority = _priority(env, "BACKEND_PRIORITY_CPU", 0)
     gpu_priority = _priority(env, "BACKEND_PRIORITY_GPU", 100)
@@ -118,7 +121,7 @@ def resolve_backend(requested: str | None = None, env: Mapping[str, str] | None 
     if why is None:
         return Backend("gpu", _first_permitted_gpu(), f"auto: gpu ranks higher ({ranking})")
     global _fallback_reported
-    if not _fallback_reported:
+    if not _fallback_reported and not quiet:
         log.info("dl4py: GPU backend unavailable (%s); using the CPU", why)
         _fallback_reported = True
     return Backend("cpu", torch.device("cpu"), f"auto: gpu ranks higher ({ranking}) but {why}; fell back to cpu")

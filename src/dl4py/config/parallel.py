@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from dl4py.config.schema import did_you_mean
 from dl4py.errors import ConfigError
 
 log = logging.getLogger("dl4py")
@@ -97,7 +98,7 @@ class ParallelPlan:
     def from_training_mode(cls, mode: str, tensor_size: int | None = None, where: str = "training_mode"):
         """The plan an earlier release's ``training_mode`` (and ``tensor_parallel_size``) named."""
         if mode not in MODES:
-            raise ConfigError(where, f"must be one of {', '.join(MODES)}; got {mode!r}")
+            raise ConfigError(where, f"must be one of {', '.join(MODES)}; got {mode!r}{did_you_mean(mode, MODES)}")
         if mode in SYNCS:
             return cls("data", sync=mode, tensor_size=tensor_size)
         return cls(mode, tensor_size=tensor_size)
@@ -105,9 +106,9 @@ class ParallelPlan:
     def checked(self, where: str = "parallelism") -> "ParallelPlan":
         """The plan, or a ConfigError naming the field that is wrong."""
         if self.kind not in PLANS:
-            raise ConfigError(where, f"must be one of {', '.join(PLANS)}; got {self.kind!r}")
+            raise ConfigError(where, f"must be one of {', '.join(PLANS)}; got {self.kind!r}{did_you_mean(self.kind, PLANS)}")
         if self.sync not in SYNCS:
-            raise ConfigError(f"{where}.sync", f"must be one of {', '.join(SYNCS)}; got {self.sync!r}")
+            raise ConfigError(f"{where}.sync", f"must be one of {', '.join(SYNCS)}; got {self.sync!r}{did_you_mean(self.sync, SYNCS)}")
         if self.kind != "data" and self.sync != "averaging":
             raise ConfigError(f"{where}.sync", f"applies to the data plan only: {self.kind} meets every step")
         if self.tensor_size is not None:

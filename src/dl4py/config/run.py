@@ -21,7 +21,7 @@ from dl4py.backend.environment_settings import check_setting
 from dl4py.config.graph import GraphConfig, network_from_dict
 from dl4py.config.network import NetworkConfig
 from dl4py.config.parallel import ParallelOptions, ParallelPlan, note_deprecated
-from dl4py.config.schema import ConfigBase, TaggedConfig, dataclass_from_dict, join
+from dl4py.config.schema import ConfigBase, TaggedConfig, dataclass_from_dict, did_you_mean, join
 from dl4py.config.yaml_loader import ConfigSyntaxError, load_json, load_yaml
 from dl4py.errors import ConfigError
 
@@ -422,6 +422,7 @@ def _assign(data: dict, key: str, value: Any) -> None:
     parts = _split_key(key)
     node: Any = data
     where = ""
+    created = False  # inside a section this key creates: its keys are the schema's to check
     for i, part in enumerate(parts):
         last = i == len(parts) - 1
         if isinstance(part, int):
@@ -432,12 +433,17 @@ def _assign(data: dict, key: str, value: Any) -> None:
         else:
             if not isinstance(node, dict):
                 raise ConfigError(key, f"{where} is not a section, so .{part} does not apply")
-            if part not in node:
+            if part not in node and not created:
                 raise ConfigError(
-                    key, f"unknown key {part!r} in {where or 'the config'}; valid keys: {', '.join(node)}"
+                    key, f"unknown key {part!r} in {where or 'the config'}{did_you_mean(part, node)}; "
+                         f"valid keys: {', '.join(node)}"
                 )
         if last:
             node[part] = value
         else:
+            if node[part] is None and not isinstance(parts[i + 1], int):
+                # An optional section not in the config yet (data.validation): a dotted key
+                # creates it, and the schema checks it as if the file had it.
+                node[part], created = {}, True
             node = node[part]
             where = join(where, part)

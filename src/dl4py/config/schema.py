@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import difflib
 import functools
 import re
 import types
@@ -39,6 +40,17 @@ _QUALIFIED = re.compile(r"\s*(?:[A-Z]\w*\.)+([A-Za-z_]\w*)\s*\Z")  # Java classe
 # (dl4py's mcxent takes either). DL4J's L1 and L2 losses *sum* over outputs, so they are
 # not mse and get no alias. An alias applies only where its target is one of the choices.
 DL4J_ALIASES = {"squaredloss": "mse", "sparsemcxent": "mcxent"}
+# Lightning's precision names (``Trainer(precision="bf16-mixed")``) for dl4py's policies.
+LIGHTNING_ALIASES = {"bf16mixed": "mixedbf16", "16mixed": "mixedfp16", "bf16true": "bfloat16", "16true": "half",
+                     "32true": "float", "64true": "double"}
+_ALIASES = {**DL4J_ALIASES, **LIGHTNING_ALIASES}
+
+
+def did_you_mean(word: Any, choices) -> str:
+    """`` (did you mean 'x'?)`` for the choice closest to a misspelt ``word``, or ``""``."""
+    names = [str(choice) for choice in choices if isinstance(choice, str)]
+    close = difflib.get_close_matches(str(word), names, n=1, cutoff=0.6) if isinstance(word, str) else []
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _name_key(name: str) -> str:
@@ -57,7 +69,7 @@ def canonical_name(value: Any, choices) -> Any:
     if not isinstance(value, str):
         return value if value in choices and not isinstance(value, bool) else None
     key = _name_key(value)
-    key = DL4J_ALIASES.get(key, key)
+    key = _ALIASES.get(key, key)
     for choice in choices:
         if isinstance(choice, str) and _name_key(choice) == key:
             return choice
@@ -108,7 +120,8 @@ def coerce(value: Any, tp, where: str) -> Any:
         name = canonical_name(value, choices)
         if name is not None:
             return name
-        raise ConfigError(where, f"must be one of {', '.join(map(repr, choices))}; got {value!r}")
+        raise ConfigError(where, f"must be one of {', '.join(map(repr, choices))}; got {value!r}"
+                                 f"{did_you_mean(value, choices)}")
     if origin is tuple and get_args(tp)[-1:] == (Ellipsis,):  # tuple[Layer, ...]: any length
         if not isinstance(value, (list, tuple)):
             raise ConfigError(where, f"must be a list, got {value!r}")
@@ -202,7 +215,8 @@ def dataclass_from_dict(cls, data: Any, where: str, skip: tuple[str, ...] = ()):
     if unknown:
         raise ConfigError(
             join(where, unknown[0]),
-            f"unknown field for {cls.__name__}; valid fields: {', '.join(sorted(types_))}",
+            f"unknown field for {cls.__name__}{did_you_mean(unknown[0], types_)}; valid fields: "
+            f"{', '.join(sorted(types_))}",
         )
     for f in dataclasses.fields(cls):
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING

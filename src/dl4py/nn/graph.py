@@ -288,8 +288,12 @@ class ComputationGraph(Model):
             return features, labels
         return data
 
-    def fit(self, data, *args, validation=None, **kwargs):
-        return super().fit(self._packed(data), *args, validation=None if validation is None
+    def fit(self, data, y=None, *args, validation=None, **kwargs):
+        """``Model.fit``; with several inputs (or outputs) the arrays come as lists, in Keras'
+        form ``fit([x1, x2], y)`` or as one pair ``fit(([x1, x2], y))``."""
+        if y is not None and not isinstance(y, int):  # Keras' fit(x, y): the pair, packed as one
+            data, y = (data, y), None
+        return super().fit(self._packed(data), y, *args, validation=None if validation is None
                            else self._packed(validation), **kwargs)
 
     def score(self, data=None, **kwargs) -> float:

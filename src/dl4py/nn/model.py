@@ -550,12 +550,21 @@ def _data_and_epochs(x, y, epochs):
     epochs = 1 if epochs is None else epochs
     if y is None:
         return x, epochs
-    if not _array_like(x):
-        raise DataError(f"fit(x, y): y goes with features given as arrays, tensors or pandas objects; x is "
-                        f"{type(x).__name__}, which carries its own labels: leave y out")
-    if not _array_like(y):
-        raise DataError(f"fit(x, y): y must be an array, a tensor or a pandas object, got {type(y).__name__}")
+    if not _arrays(x):
+        raise DataError(f"fit(x, y): y goes with features given as arrays, tensors or pandas objects (a list "
+                        f"of them for a graph's inputs); x is {type(x).__name__}, which carries its own labels: "
+                        "leave y out")
+    if not _arrays(y):
+        raise DataError(f"fit(x, y): y must be an array, a tensor or a pandas object (a list of them for a "
+                        f"graph's outputs), got {type(y).__name__}")
     return (x, y), epochs
+
+
+def _arrays(value) -> bool:
+    """An array-like, or a list of them (a graph's several inputs or outputs, Keras' ``fit([x1, x2], y)``)."""
+    if isinstance(value, (list, tuple)):
+        return bool(value) and all(_array_like(item) for item in value)
+    return _array_like(value)
 
 
 def _fitted_on(normalizer, training):

@@ -6,7 +6,8 @@
 - 1: a ``ProgressBar``: a tqdm bar for each epoch, left on screen when the epoch ends;
 - 2: ``EpochLines``: one flushed line per epoch, made for logs and pipes;
 - "auto" (the default): 1 on a terminal or in a notebook, else 2; 2 also where tqdm is
-  not installed (``pip install "dl4py[progress]"`` adds it), as the lines need no library.
+  missing (a dependency of dl4py, absent only from an install without dependencies), as the
+  lines need no library.
 
 Epochs are numbered as the model counts them, out of the run's total: the second of two
 epochs is "epoch 2/2" however many fits (a resume, early stopping's one epoch at a time)
