@@ -200,7 +200,7 @@ def test_an_iterable_dataset_streams_without_a_length_and_the_progress_bar_copes
 def test_a_generator_is_one_pass_and_a_function_is_many():
     x, y = torch.rand(64, 784), torch.randint(0, 10, (64,))
     net = MultiLayerNetwork(mlp())
-    with pytest.raises(DataError, match=r"read once.*epoch 1 found it used up.*lambda"):
+    with pytest.raises(DataError, match=r"read once.*epoch 2 found it used up.*lambda"):
         net.fit(((x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)), epochs=2)
     history = net.fit(lambda: ((x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)), epochs=2)
     assert list(history.history["batches"]) == [4, 4]
@@ -242,11 +242,11 @@ def test_a_bad_label_in_a_later_batch_of_a_dataloader_is_named_before_the_loss_s
 
     x = torch.rand(96, 784)
     y = torch.arange(96) % 10
-    y[70] = 12  # batch 4 of 6 (16 a batch)
+    y[70] = 12  # the 5th of 6 batches (16 a batch)
     net = MultiLayerNetwork(NetworkConfig(seed=1, input_type=InputType.feed_forward(784),
                                           layers=[DenseLayer(n_out=8), OutputLayer(n_out=10)]), backend="cpu")
     loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=False)
-    with pytest.raises(DataError, match=r"epoch 0, batch 4: label 12 is outside the output layer's 10 classes"):
+    with pytest.raises(DataError, match=r"epoch 1, batch 5: label 12 is outside the output layer's 10 classes"):
         net.fit(loader, epochs=1)
 
 
@@ -258,10 +258,10 @@ def test_a_bad_label_in_a_later_batch_reaches_no_parallel_worker_s_loss():
 
     x = torch.rand(128, 784)
     y = torch.arange(128) % 10
-    y[100] = 12  # batch 6 of 8: dealt to a worker in round 3
+    y[100] = 12  # the 7th of 8 batches: dealt to a worker in round 4
     net = MultiLayerNetwork(NetworkConfig(seed=1, input_type=InputType.feed_forward(784),
                                           layers=[DenseLayer(n_out=8), OutputLayer(n_out=10)]), backend="cpu")
     loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=False)
-    with pytest.raises(WorkerError, match=r"round 3: label 12 is outside the output layer's 10 classes") as caught:
+    with pytest.raises(WorkerError, match=r"round 4: label 12 is outside the output layer's 10 classes") as caught:
         ParallelWrapper(net, workers=2, prefetch_buffer=2).fit(loader, epochs=1)
     assert "Traceback" not in str(caught.value)  # the worker's sentence, not its stack

@@ -139,7 +139,7 @@ class _Empty(ArrayDataSetIterator):
 def test_an_epoch_of_no_batches_is_an_error_not_a_finished_epoch():
     model = MultiLayerNetwork(mlp(), backend="cpu").init()
     empty = _Empty(torch.rand(32, 784), torch.arange(32) % 10, 16)
-    with pytest.raises(DataError, match="no batches in epoch 0"):
+    with pytest.raises(DataError, match="no batches in epoch 1"):
         model.fit(empty, epochs=1)
     assert model.epoch_count == 0
 
@@ -147,7 +147,7 @@ def test_an_epoch_of_no_batches_is_an_error_not_a_finished_epoch():
 def test_a_resume_position_beyond_the_data_is_an_error():
     model = MultiLayerNetwork(mlp(), backend="cpu").init()
     model.training_state.stop_at(10)  # as a checkpoint taken after batch 10 leaves it
-    with pytest.raises(DataError, match="stopped after batch 10 of epoch 0, but this data has only 6"):
+    with pytest.raises(DataError, match="stopped after batch 10 of epoch 1, but this data has only 6"):
         model.fit(_arrays(), epochs=1)
     assert model.batch_in_epoch == 10  # nothing trained: the position to resume from is kept
     model.training_state.stop_at(6)  # stopped after the epoch's last batch: the epoch completes

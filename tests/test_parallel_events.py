@@ -243,7 +243,7 @@ def test_dl4py_train_with_workers_writes_its_run_directory_from_the_coordinator_
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Worker 0's log records, shown by this process: a round's iterations are its two batches.
     averaged = re.findall(r"^\[worker 0\] epoch (\d), round (\d), iteration (\d+): averaged score", proc.stderr, re.M)
-    assert averaged == [(str(e), str(r), str(10 * e + 2 * r)) for e in range(2) for r in range(1, 6)], proc.stderr[-3000:]
+    assert averaged == [(str(e + 1), str(r), str(10 * e + 2 * r)) for e in range(2) for r in range(1, 6)], proc.stderr[-3000:]
 
     writers = {int(line.split(" ", 1)[0]) for line in writes.read_text().splitlines()}
     assert writers == {proc_pid(writes, out / "config.yaml")}, "the run directory was written by more than one process"

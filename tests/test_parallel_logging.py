@@ -48,7 +48,7 @@ def test_a_parallel_fit_logs_every_round_and_counts_every_workers_batches(caplog
     # Averaged after rounds 3, 6 and the epoch's last, 8; a round's iterations are its batches.
     averaged = [r for r in caplog.records if AVERAGED.match(r.getMessage())]
     assert [tuple(map(int, AVERAGED.match(r.getMessage()).groups())) for r in averaged] == [
-        (epoch, round_no, epoch * BATCHES + iteration, WORKERS)
+        (epoch + 1, round_no, epoch * BATCHES + iteration, WORKERS)  # epochs and rounds counted from 1
         for epoch in range(EPOCHS) for round_no, iteration in ((3, 6), (6, 12), (8, 15))]
     assert all(r.name == "dl4py" and r.levelno == logging.INFO and r.worker == 0 for r in averaged)
 

@@ -55,7 +55,7 @@ def test_the_rank_behind_is_named_and_ranks_that_all_compute_never_are():
     waiting, behind = _record(13, since=90.0), _record(12, since=99.0)
     found = missing([waiting, behind], now, bound, "worker")
     assert found.rank == 1 and found.reason.startswith("did not arrive at collective 13 within timeout=5 s: it is "
-                                                       "still in 'training' (epoch 0, round 3), at collective 12")
+                                                       "still in 'training' (epoch 1, round 3), at collective 12")
     assert "worker 0 has waited 10 s" in found.reason
     assert missing([waiting, behind], now=94.0, timeout=bound) is None  # not waited long enough yet
     # Every rank at the same collective, however long it computes: nobody is missing.
@@ -142,7 +142,7 @@ def test_sigterm_to_one_worker_stops_every_worker_after_the_same_round_and_resum
     batches = 2 * stopped_after  # a whole round of both workers
     assert str(stopped.value) == (
         f"parallel training stopped by SIGTERM at worker 1; every worker was stopped after a whole round, at "
-        f"iteration {batches} (epoch 0, batch {batches}); the model is consistent")
+        f"iteration {batches} (epoch 1, batch {batches}); the model is consistent")
     saved = load(checkpoint, backend="cpu")
     assert (saved.epoch_count, saved.iteration_count, saved.batch_in_epoch) == (0, batches, batches)
 
@@ -166,7 +166,7 @@ def test_a_worker_that_stops_answering_is_named_with_its_phase_within_the_timeou
         wrapper.close()
     message = str(failed.value)
     assert message.startswith("worker 1 (device cpu) failed: did not arrive at collective ") and \
-        f"within timeout={HANG_TIMEOUT} s: it is still in 'training' (epoch 0, round 3)" in message, message
+        f"within timeout={HANG_TIMEOUT} s: it is still in 'training' (epoch 1, round 3)" in message, message
     assert "worker 0 has waited" in message and "\n" not in message
     assert processes.left() == []
 
@@ -272,7 +272,7 @@ def test_sigterm_to_one_torchrun_rank_stops_every_rank_after_the_same_round_and_
     assert all(p.returncode != 0 for p in run.launchers), output[-3000:]  # the ranks exit 130
     lines = sorted(line for line in output.splitlines() if line.startswith("rank "))
     stopped = ("interrupted (parallel training stopped by SIGTERM at rank 1; every rank was stopped after a whole "
-               "round, at iteration 10 (epoch 0, batch 10); the model is consistent) epoch 0 iteration 10 batch 10")
+               "round, at iteration 10 (epoch 1, batch 10); the model is consistent) epoch 0 iteration 10 batch 10")
     assert lines == [f"rank 0: {stopped}", f"rank 1: {stopped}"], output[-3000:]
     assert "exitcode  : 130" in output and run.no_rank_traceback(output), output[-3000:]
     saved = load(tmp_path / "checkpoint.dl4py", backend="cpu")
@@ -292,7 +292,7 @@ def test_a_torchrun_rank_that_stops_answering_is_named_by_every_rank_within_the_
     assert len(lines) == 2, output[-3000:]
     for rank, line in enumerate(lines):
         assert line.startswith(f"dl4py: rank {rank} stops: rank 1 did not arrive at collective "), line
-        assert f"within timeout={TORCHRUN_HANG_TIMEOUT} s: it is still in 'training' (epoch 0, round 3)" in line, line
+        assert f"within timeout={TORCHRUN_HANG_TIMEOUT} s: it is still in 'training' (epoch 1, round 3)" in line, line
     assert "exitcode  : 124" in output and run.no_rank_traceback(output), output[-3000:]
     assert left == []
 

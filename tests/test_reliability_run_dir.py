@@ -189,14 +189,14 @@ def test_changed_batching_is_refused_mid_epoch_and_accepted_at_an_epoch_boundary
     assert boundary.returncode == 0, boundary.stderr
     assert "changed data or batching" in boundary.stderr and "data.limit_train" in boundary.stderr
     checkpoint = load(out / "checkpoint.dl4py")
-    checkpoint.training_state.stop_at(3)  # as a run stopped after its third batch of epoch 2 leaves it
+    checkpoint.training_state.stop_at(3)  # as a run stopped after the third batch of its third epoch leaves it
     checkpoint.save(out / "checkpoint.dl4py")
     saved = (out / "checkpoint.dl4py").read_bytes()
     for override, key in (("training.batch_size=32", "training.batch_size is 64 in the run, 32 in this config"),
                           ("data.seed=2", "data.seed is 1 in the run, 2 in this config")):
         proc = dl4py("train", config, "--output", out, "--resume", "--epochs", 3, "--set", "data.limit_train=512",
                      "--set", override, "--no-progress")
-        one_line_error(proc, "in the middle of epoch 2 (after batch 3)", key)
+        one_line_error(proc, "in the middle of epoch 3 (after batch 3)", key)
         assert (out / "checkpoint.dl4py").read_bytes() == saved
     same = dl4py("train", config, "--output", out, "--resume", "--epochs", 3, "--set", "data.limit_train=512",
                  "--no-progress")

@@ -186,7 +186,7 @@ def test_ctrl_c_in_the_first_parallel_epoch_keeps_a_checkpoint_that_resume_conti
         resumed.kill_all()
     assert "Traceback" not in err, err
     assert resumed.proc.returncode == 0, err
-    assert f"resuming {out} at epoch 0, iteration {iteration}" in err
+    assert f"resuming {out} in epoch 1 after batch {batch} of {BATCHES} (iteration {iteration})" in err
     epochs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"kind": "epoch"' in line]
     assert len(epochs) == 1  # the stopped epoch, finished by the resumed run
     assert epochs[0]["epoch"] == 0 and epochs[0]["completed"]

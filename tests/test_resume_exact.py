@@ -232,10 +232,10 @@ def test_a_dataloader_that_cannot_replay_its_epoch_is_refused_before_training():
     model = _stopped_model(DataLoader(dataset, batch_size=BATCH, shuffle=True))
     before = model_bytes(model)
     kept = DataLoader(dataset, batch_size=BATCH, num_workers=1, persistent_workers=True)
-    with pytest.raises(DataError, match=r"cannot continue epoch 1 after batch 10: the DataLoader keeps its worker "
+    with pytest.raises(DataError, match=r"cannot continue epoch 2 after batch 10: the DataLoader keeps its worker "
                                         r"processes \(persistent_workers=True\)"):
         model.fit(kept, epochs=1, verbose=0)
-    with pytest.raises(DataError, match="cannot continue epoch 1 after batch 10: the DataLoader's Reversed may give "
+    with pytest.raises(DataError, match="cannot continue epoch 2 after batch 10: the DataLoader's Reversed may give "
                                         "another order each time it is read.*set_epoch"):
         model.fit(DataLoader(dataset, batch_size=BATCH, sampler=Reversed(ROWS)), epochs=1, verbose=0)
     assert model_bytes(model) == before  # refused before a step
@@ -247,7 +247,7 @@ def test_a_dataloader_that_cannot_replay_its_epoch_is_refused_before_training():
 def test_averaging_without_averaged_updaters_refuses_to_continue_an_epoch_before_any_worker_starts():
     model = _stopped_model(DataLoader(TensorDataset(*toy_rows()), batch_size=BATCH, shuffle=True))
     with ParallelWrapper(model, workers=2, average_updaters=False) as wrapper:
-        with pytest.raises(DataError, match="cannot continue epoch 1 after batch 10: with average_updaters=False "
+        with pytest.raises(DataError, match="cannot continue epoch 2 after batch 10: with average_updaters=False "
                                             "each worker keeps its own updater state"):
             wrapper.fit(DataLoader(TensorDataset(*toy_rows()), batch_size=BATCH), epochs=1, verbose=0)
         assert wrapper._pool.starts == 0
@@ -362,7 +362,7 @@ def test_dl4py_train_resume_says_what_it_restored_and_ends_as_the_run_without_th
     with caplog.at_level("INFO", logger="dl4py"):
         train_run(config, tmp_path / "run", resume=True, progress=False)
     per_epoch = ROWS // BATCH
-    line = (f"resuming {tmp_path / 'run'} at epoch 1, iteration {STOP_AT}, batch {STOP_AT - per_epoch} of "
-            f"{per_epoch}; {restored}")
+    line = (f"resuming {tmp_path / 'run'} in epoch 2 after batch {STOP_AT - per_epoch} of {per_epoch} "
+            f"(iteration {STOP_AT}); {restored}")
     assert line in caplog.messages
     assert _differences(tmp_path / "straight" / "model.dl4py", tmp_path / "run" / "model.dl4py") == []

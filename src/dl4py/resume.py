@@ -15,6 +15,7 @@ from typing import Any
 
 from dl4py.config.run import RunConfig
 from dl4py.errors import ConfigError
+from dl4py.train.numbering import epoch_name
 
 log = logging.getLogger("dl4py")
 
@@ -71,25 +72,24 @@ def check_resume(config: RunConfig, checkpoint_model, run_dir: Path) -> None:
         return
     what = describe(found, "the run", "this config")
     if mid_epoch:
-        raise ConfigError("--resume", f"the checkpoint stopped in the middle of epoch {checkpoint_model.epoch_count} "
+        stopped = epoch_name(checkpoint_model.epoch_count)
+        raise ConfigError("--resume", f"the checkpoint stopped in the middle of {stopped} "
                                       f"(after batch {checkpoint_model.batch_in_epoch}), and {what}: the rest of the "
                                       "epoch would read other batches; resume with the run's values")
     log.info("resuming at an epoch boundary with changed data or batching: %s", what)
 
 
 def resumed_message(run_dir: Path, model, saved_meta: dict, batches_per_epoch: int | None) -> str:
-    """What ``--resume`` continues and what it restored, e.g. "resuming runs/mlp at epoch 3,
-    iteration 4,957, batch 1,207 of 1,875; weights, updater state, loss scale, RNG and data
-    position restored". Named only where restored: the loss scale when the checkpoint holds
-    the scaler's state and this run scales the loss, the data position part-way through an
-    epoch (its first batches are read again and skipped). The RNG needs no state: training
-    seeds it for each batch from the batch's position (``train/randomness.py``)."""
-    where = f"resuming {run_dir} at epoch {model.epoch_count:,}, iteration {model.iteration_count:,}"
-    if model.batch_in_epoch:
-        total = f" of {batches_per_epoch:,}" if batches_per_epoch is not None else ""
-        where += f", batch {model.batch_in_epoch:,}{total}"
-    else:
-        where += ", at the epoch's start"
+    """What ``--resume`` continues and what it restored, e.g. "resuming runs/mlp in epoch 3
+    after batch 1,207 of 1,875 (iteration 4,957); weights, updater state, loss scale, RNG and
+    data position restored" (epochs counted from 1: two epochs were complete), or "resuming
+    runs/mlp after epoch 2 (iteration 3,750); ..." at an epoch boundary. Named only where
+    restored: the loss scale when the checkpoint holds the scaler's state and this run scales
+    the loss, the data position part-way through an epoch (its first batches are read again
+    and skipped). The RNG needs no state: training seeds it for each batch from the batch's
+    position (``train/randomness.py``)."""
+    position = _resumed_position(model, batches_per_epoch)
+    where = f"resuming {run_dir} {position} (iteration {model.iteration_count:,})"
     parts = ["weights"]
     if model.precision_state.keeps_masters and saved_meta["precision"] == model.precision.name:
         parts.append("float32 master weights")
@@ -103,6 +103,17 @@ def resumed_message(run_dir: Path, model, saved_meta: dict, batches_per_epoch: i
     if model.batch_in_epoch:
         parts.append("data position")
     return f"{where}; {', '.join(parts[:-1])} and {parts[-1]} restored"
+
+
+def _resumed_position(model, batches_per_epoch: int | None) -> str:
+    """Where the run goes on, for a person: "in epoch 3 after batch 1,207 of 1,875" (the model
+    is in its epoch ``epoch_count``, 0-based), "after epoch 2", "at the start of epoch 1"."""
+    if model.batch_in_epoch:
+        total = f" of {batches_per_epoch:,}" if batches_per_epoch is not None else ""
+        return f"in {epoch_name(model.epoch_count)} after batch {model.batch_in_epoch:,}{total}"
+    if model.epoch_count:
+        return f"after {epoch_name(model.epoch_count - 1)}"
+    return f"at the start of {epoch_name(0)}"
 
 
 def _compared(config: RunConfig) -> dict:

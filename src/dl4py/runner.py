@@ -209,7 +209,7 @@ def _run_listeners(record: RunRecord, stats, train, epochs_left: int, progress) 
     listeners = [stats, PerformanceListener(report=False), CheckpointListener(record.run_dir / CHECKPOINT)]
     if config.training.score_every:
         listeners.append(ScoreIterationListener(config.training.score_every))
-    # The run's own epoch numbers: after a resume at epoch 1 of 2 the bar says "epoch 2/2".
+    # The run's own epoch numbers: resumed with 1 of 2 epochs done, the bar says "epoch 2/2".
     section = config.training.early_stopping
     to_train = epochs_left if section is None else section.max_epochs or config.training.epochs
     listeners += console_listeners("auto" if progress is None else progress, model.epoch_count + to_train,

@@ -37,6 +37,7 @@ from dl4py.errors import TrainingError
 from dl4py.nn.serialization import model_bytes, restore_state
 from dl4py.parallel.messages import Decision, EpochEnded, EpochStarted, Iterations, ListenerRecords, LogRecord
 from dl4py.train.listeners import TrainingListener
+from dl4py.train.numbering import epoch_name
 
 log = logging.getLogger("dl4py")
 
@@ -80,10 +81,10 @@ class EventRelay(TrainingListener):
             decision = self.decisions.get(timeout=self.timeout)
         except queue.Empty:
             raise TrainingError(f"worker 0 waited timeout={self.timeout:.0f} s for the coordinator's early-stopping "
-                                f"decision on epoch {epoch}, and none came") from None
+                                f"decision on {epoch_name(epoch)}, and none came") from None
         if decision.epoch != epoch:
-            raise TrainingError(f"worker 0 expected the early-stopping decision on epoch {epoch} but got one on "
-                                f"epoch {decision.epoch}")
+            raise TrainingError(f"worker 0 expected the early-stopping decision on {epoch_name(epoch)} but got one "
+                                f"on {epoch_name(decision.epoch)}")
         return decision.stop_reason
 
     def _flush(self) -> None:

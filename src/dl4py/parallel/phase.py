@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from dl4py.train.numbering import epoch_name, round_name
+
 # A phase is sent as its index in this tuple (the pool's shared board holds numbers only).
 PHASES = ("setup", "first batch", "training", "end of epoch", "end of fit", "between fits")
 ROUND_PHASES = ("first batch", "training")
@@ -54,12 +56,14 @@ class Phase:
 
 
 def describe(phase: int, epoch: int, round_index: int) -> str:
-    """A published phase in words: ``'training' (epoch 0, round 3)`` (rounds counted from 1),
-    ``'end of epoch' (epoch 0)``, ``'setup'``."""
+    """A published phase in words, epochs and rounds counted from 1 (``train/numbering.py``):
+    ``'training' (epoch 1, round 3)``, ``'end of epoch' (epoch 1)``, ``'setup'``."""
     name = PHASES[phase] if 0 <= phase < len(PHASES) else "unknown"
     if epoch < 0:
         return f"'{name}'"
-    return f"'{name}' (epoch {epoch}, round {round_index + 1})" if name in ROUND_PHASES else f"'{name}' (epoch {epoch})"
+    if name in ROUND_PHASES:
+        return f"'{name}' ({epoch_name(epoch)}, {round_name(round_index)})"
+    return f"'{name}' ({epoch_name(epoch)})"
 
 
 def collectives_entered() -> int | None:

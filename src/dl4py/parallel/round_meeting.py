@@ -50,6 +50,7 @@ from dl4py.parallel.sources import Prefetcher, ShardedSource
 from dl4py.train import accumulate
 from dl4py.train.early_stopping.controller import first_firing
 from dl4py.train.epoch import Turn, check_finite, epoch_rng, finish_epoch
+from dl4py.train.numbering import epoch_name, round_name
 
 log = logging.getLogger("dl4py")
 
@@ -77,9 +78,9 @@ class RoundMeeting:
         world, batches = self.world, self.spec.num_batches
         self.plan = RoundPlan(batches, world, self.start) if batches is not None else OpenRoundPlan(world, self.start)
         if self.plan.rounds is None and self.start % world:
-            raise DataError(f"the model stopped after batch {self.start} of epoch {epoch}, which is not a whole round "
-                            f"of {world} workers over a streamed source: resume it with the number of workers it "
-                            "stopped with, or from the start of an epoch")
+            raise DataError(f"the model stopped after batch {self.start} of {epoch_name(epoch)}, which is not a "
+                            f"whole round of {world} workers over a streamed source: resume it with the number of "
+                            "workers it stopped with, or from the start of an epoch")
         if batches and batches < world:
             raise DataError(f"the data has {self.plan.batches} batches per epoch but there are {world} workers; "
                             "use fewer workers or a smaller batch size")
@@ -98,7 +99,8 @@ class RoundMeeting:
             # Labels an in-memory source checked when it was made need no second look; others (a
             # stream, a user's iterator) are checked batch by batch on the host, before the copy
             # to the device: no sync, and no device-side assert from the loss on a GPU.
-            batches_out = _labels_checked(batches_out, replica, f"worker {self.data_rank}, epoch {epoch}")
+            batches_out = _labels_checked(batches_out, replica, f"worker {self.data_rank}, {epoch_name(epoch)}",
+                                          self.first_round)
         prefetcher = Prefetcher(batches_out, self.device, self.spec.options.prefetch_buffer,
                                 pin=environment().pinned_memory, timeout=self.spec.options.timeout)
         try:
@@ -127,7 +129,8 @@ class RoundMeeting:
                 mine = plan.batch_of(round_index, rank) is not None
                 item = next(batches_in, None) if mine else None
                 if mine and item is None:
-                    raise DataError(f"worker {rank} ran out of batches in round {round_index} of epoch {self.epoch}")
+                    raise DataError(f"worker {rank} ran out of batches in {round_name(self.first_round + round_index)} "
+                                    f"of {epoch_name(self.epoch)}")
                 in_round = plan.participants(round_index)
             self.round_batches += in_round
             if item is None:
@@ -142,7 +145,8 @@ class RoundMeeting:
                 self.report.records.append(features[:, 0].detach().to("cpu", torch.float64))
             # The round's examples as worker 0's batch size times its batches: the epoch's last
             # batch, maybe shorter and another worker's, counts as full.
-            yield Turn(features, labels, f"worker {rank}, epoch {self.epoch}", round_index,
+            where = f"worker {rank}, {epoch_name(self.epoch)}, {round_name(self.first_round + round_index)}"
+            yield Turn(features, labels, where, round_index,
                        replica.iteration_count + self.round_batches, features.shape[0] * in_round)
 
     # -- each round ---------------------------------------------------------------------
@@ -207,8 +211,9 @@ class RoundMeeting:
         if not self.spec.early_stopping:  # with early stopping, its InvalidScore decides instead
             check_finite(replica, replica.last_score, replica.epoch_count)  # same verdict on every worker
         if self.spec.options.report_score_after_averaging and self.data_rank == 0:
-            log.info("epoch %d, round %d, iteration %d: averaged score %.6f across %d workers (averaging took %.1f ms)",
-                     replica.epoch_count, self.first_round + round_index + 1, iteration, score, int(count),
+            log.info("%s, %s, iteration %d: averaged score %.6f across %d workers (averaging took %.1f ms)",
+                     epoch_name(replica.epoch_count), round_name(self.first_round + round_index), iteration, score,
+                     int(count),
                      (time.perf_counter() - started) * 1000)
 
     # -- the epoch's end ----------------------------------------------------------------
@@ -226,7 +231,8 @@ class RoundMeeting:
             skipped = int(most.item())
         report = self.report
         if all_batches == 0 and self.start == 0 and report.stop is None:  # as the single-device loop says
-            raise DataError(f"the data gave no batches in epoch {self.epoch} (worker {self.data_rank} of {self.world})")
+            raise DataError(f"the data gave no batches in {epoch_name(self.epoch)} "
+                            f"(worker {self.data_rank} of {self.world})")
         if self.step_mode and all_batches:  # all_batches: the same on every rank
             # The workers' last losses, as averaging mode's score and one process's last loss: not
             # the epoch's mean, which a resumed epoch would take over its second part alone.
@@ -273,11 +279,12 @@ def _signalled(wanted) -> tuple[str, list[int]] | None:
     return (answers[ranks[0]], ranks) if ranks else None
 
 
-def _labels_checked(batches, replica, where: str):
-    """``(round, DataSet)`` pairs as they come, each batch's labels checked on the host."""
+def _labels_checked(batches, replica, where: str, first_round: int):
+    """``(round, DataSet)`` pairs as they come, each batch's labels checked on the host; the
+    rounds count from this fit's first (``first_round`` of the epoch, after a resume)."""
     for round_index, batch in batches:
         if batch.labels.device.type == "cpu":
-            replica.check_labels(batch.labels, f"{where}, round {round_index}")
+            replica.check_labels(batch.labels, f"{where}, {round_name(first_round + round_index)}")
         yield round_index, batch
 
 

@@ -35,6 +35,7 @@ from dl4py.data.iterators import WrappedIterator
 from dl4py.data.prefetch import copy_to_device, wait_for_copy
 from dl4py.errors import DataError
 from dl4py.parallel.plan import RoundPlan
+from dl4py.train.numbering import epoch_name
 
 POLL_SECONDS = 0.2
 END_OF_EPOCH = "end-of-epoch"
@@ -198,7 +199,7 @@ def deal_batches(iterator, inboxes, epochs: int, first_epoch: int, stop_event, t
                 return  # the fit ended (early stopping asks for epochs without end): read no further
         if count != expected:
             raise DataError(
-                f"{type(iterator).__name__} yielded {count} batches in epoch {epoch} but len() said {expected}"
+                f"{type(iterator).__name__} yielded {count} batches in {epoch_name(epoch)} but len() said {expected}"
             )
         for inbox in inboxes:
             put_bounded(inbox, (job, END_OF_EPOCH), stop_event, timeout)

@@ -71,6 +71,7 @@ from dl4py.parallel.worker import WorkerSpec
 from dl4py.train.history import History
 from dl4py.train.interrupt import DeferredInterrupt
 from dl4py.train.loop import EpochSummary, TrainingInterrupted
+from dl4py.train.numbering import epoch_name, stop_point
 from dl4py.train.progress import batches_of, console_listeners
 from dl4py.train.randomness import SeededReading
 from dl4py.train.validation import EpochValidation
@@ -235,7 +236,7 @@ class ParallelWrapper:
         """A DataError, before any worker starts, when the rest of the model's stopped epoch
         cannot be trained as the uninterrupted run would have."""
         model = self.model
-        where = f"cannot continue epoch {model.epoch_count} after batch {model.batch_in_epoch}"
+        where = f"cannot continue {epoch_name(model.epoch_count)} after batch {model.batch_in_epoch}"
         refusal = iterator.replay_refusal()
         if refusal is not None:
             raise DataError(f"{where}: {refusal}")
@@ -336,7 +337,7 @@ class ParallelWrapper:
         model = self.model
         return TrainingInterrupted(
             f"parallel training stopped by {cause}; every {noun} was stopped after a whole round, "
-            f"at iteration {model.iteration_count} (epoch {model.epoch_count}, batch {model.batch_in_epoch}); "
+            f"at iteration {model.iteration_count} ({stop_point(model.epoch_count, model.batch_in_epoch)}); "
             "the model is consistent"
         )
 

@@ -20,6 +20,7 @@ import torch
 
 from dl4py.errors import TrainingError
 from dl4py.train.history import current_learning_rate
+from dl4py.train.numbering import epoch_name
 from dl4py.train.randomness import epoch_rng
 from dl4py.train.training_accuracy import RunningAccuracy
 
@@ -123,7 +124,7 @@ class Turn:
 
     features: torch.Tensor | None
     labels: torch.Tensor | None
-    where: str  # names the batch in a data error: "epoch 2, batch 7"
+    where: str  # names the batch in a data error, from 1: "epoch 2, batch 7" (``numbering.py``)
     index: int = 0  # the batch's index in the epoch (one process) or the round's (ranks)
     iteration: int = 0  # the model's minibatch count after this step, as the listeners see it
     examples: int = 0  # the examples the step stands for (a parallel round: every worker's)
@@ -189,6 +190,6 @@ def check_finite(model, loss_sum: torch.Tensor, epoch: int) -> None:
             "mixed-fp16": "lower the learning rate, or use 'mixed-bf16'",
         }.get(model.precision.name, "lower the learning rate or check the data for NaN/inf values")
         raise TrainingError(
-            f"the loss became NaN or infinite in epoch {epoch} (by iteration {model.iteration_count}) "
+            f"the loss became NaN or infinite in {epoch_name(epoch)} (by iteration {model.iteration_count}) "
             f"with precision '{model.precision}'; {remedy}"
         )

@@ -267,7 +267,8 @@ class ModelCheckpoint(MonitoringListener):
         if _passes(last, iteration, self.save_freq):
             self._file.path = self._path(epoch=epoch + 1, batch=iteration)
             self._file.save_latest(model, None)
-            _say(self.verbose, f"Epoch {epoch + 1}, batch {iteration}: saving model to {self._file.path}")
+            # "iteration", not "batch": a message's "batch N" is the epoch's N-th (train/numbering.py)
+            _say(self.verbose, f"Epoch {epoch + 1}, iteration {iteration}: saving model to {self._file.path}")
 
     def on_epoch_end(self, model, summary):
         if self.save_freq != "epoch" or not summary.completed:

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dl4py.errors import DataError
 from dl4py.train import accumulate
 from dl4py.train.epoch import Turn, check_finite, epoch_rng, finish_epoch
+from dl4py.train.numbering import batch_location, epoch_name
 from dl4py.train.progress import batches_of
 
 NAN_CHECK_EVERY = 100
@@ -53,7 +54,7 @@ class LocalMeeting:
             if index < self.skip:
                 continue  # resumed mid-epoch: read again (as they were), trained before the stop
             features, labels = model.prepare_batch(batch)
-            yield Turn(features, labels, f"epoch {epoch}, batch {index}", index, model.iteration_count + 1,
+            yield Turn(features, labels, batch_location(epoch, index), index, model.iteration_count + 1,
                        features.shape[0])
 
     def trained(self, model, turn: Turn) -> None:
@@ -80,7 +81,7 @@ class LocalMeeting:
         if self.outcome == "stopped":
             return tally.summary(completed=False)
         if tally.batches == 0 and not self.skip:  # an exhausted generator, an empty source: no epoch to count
-            raise DataError(f"the data gave no batches in epoch {tally.epoch}; a one-pass iterable (a generator) "
+            raise DataError(f"the data gave no batches in {epoch_name(tally.epoch)}; a one-pass iterable (a generator) "
                             "is spent after its first epoch: pass a DataSetIterator, a DataLoader or a callable "
                             "returning a fresh iterable")
         if accumulate.finish(model) and self.interrupt.requested:  # the epoch's last window, maybe short
@@ -94,8 +95,8 @@ def _check_resumable(iterator, epoch: int, skip: int) -> None:
     batches the uninterrupted epoch would have trained."""
     length = batches_of(iterator)
     if length is not None and skip > length:
-        raise DataError(f"the model stopped after batch {skip} of epoch {epoch}, but this data has only {length} "
+        raise DataError(f"the model stopped after batch {skip} of {epoch_name(epoch)}, but this data has only {length} "
                         "batches per epoch: resume with the data (and batch size) it was trained on")
     refusal = iterator.replay_refusal()
     if refusal is not None:
-        raise DataError(f"cannot continue epoch {epoch} after batch {skip}: {refusal}")
+        raise DataError(f"cannot continue {epoch_name(epoch)} after batch {skip}: {refusal}")

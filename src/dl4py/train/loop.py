@@ -21,6 +21,7 @@ from dl4py.train.history import History
 from dl4py.train.interrupt import DeferredInterrupt
 from dl4py.train.listeners import Listeners
 from dl4py.train.local_meeting import LocalMeeting
+from dl4py.train.numbering import batch_location, stop_point
 from dl4py.train.validation import fit_metrics, validation_record
 
 # Where they were first defined; the epoch's parts now live in train/epoch.py.
@@ -81,7 +82,7 @@ def fit(model, iterator, epochs: int, listeners: list, validation=None, metrics=
     if interrupted:
         raise TrainingInterrupted(
             f"training stopped by {interrupt.cause or 'Ctrl-C'} after iteration {model.iteration_count} "
-            f"(epoch {model.epoch_count}, batch {model.batch_in_epoch}); the model is consistent"
+            f"({stop_point(model.epoch_count, model.batch_in_epoch)}); the model is consistent"
         )
     return history
 
@@ -121,7 +122,7 @@ class CheckedLabels(WrappedIterator):
         epoch = self.model.epoch_count
         for index, batch in enumerate(self.iterator):
             if batch.labels.device.type == "cpu":
-                self.model.check_labels(batch.labels, f"epoch {epoch}, batch {index}")
+                self.model.check_labels(batch.labels, batch_location(epoch, index))
             yield batch
 
 

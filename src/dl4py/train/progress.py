@@ -26,6 +26,7 @@ from contextlib import ExitStack, contextmanager
 
 from dl4py.errors import ConfigError, MissingDependencyError
 from dl4py.train.listeners import TrainingListener, _Count
+from dl4py.train.numbering import epoch_name
 
 VERBOSE = (0, 1, 2, "auto")
 
@@ -229,7 +230,7 @@ def _width(stream) -> dict:
 
 
 def _epoch_name(epoch: int, total: int | None) -> str:
-    return f"epoch {epoch + 1}/{total}" if total else f"epoch {epoch + 1}"
+    return f"{epoch_name(epoch)}/{total}" if total else epoch_name(epoch)
 
 
 # ---- log records above the bar ------------------------------------------------------------

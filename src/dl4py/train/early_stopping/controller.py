@@ -14,6 +14,7 @@ import logging
 import math
 
 from dl4py.train.early_stopping.configuration import EarlyStoppingConfiguration, EarlyStoppingResult
+from dl4py.train.numbering import epoch_name
 
 log = logging.getLogger("dl4py")
 
@@ -87,11 +88,18 @@ class EarlyStoppingController:
             self.best.offer(model, epoch, score)
             if self.config.save_last_model:
                 self.config.model_saver.save_latest(model, score)
-            log.info("epoch %d: score %.6f (best %.6f at epoch %d)", epoch, score, self.best_score, self.best_epoch)
+            log.info("%s: score %.6f (%s)", epoch_name(epoch), score, self._best_in_words())
         for condition in self.config.epoch_conditions:
             if (evaluated or not condition.needs_score) and condition.terminate(local, self.last_score, self.minimize):
                 return str(condition)
         return None
+
+    def _best_in_words(self) -> str:
+        """The best so far for the log, its epoch counted from 1 as the console's lines count
+        (the result's ``best_model_epoch`` stays DL4J's 0-based index)."""
+        if self.best_epoch < 0:  # every score so far NaN
+            return "no best yet"
+        return f"best {self.best_score:.6f} at {epoch_name(self.best_epoch)}"
 
     def result(self, reason: str, details: str, history=None) -> EarlyStoppingResult:
         return EarlyStoppingResult(
