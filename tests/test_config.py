@@ -44,6 +44,15 @@ from dl4py.config import (
     Upsampling2D,
     ZeroPaddingLayer,
 )
+from dl4py.config import (
+    CnnLossLayer,
+    Cropping1D,
+    Cropping2D,
+    DepthwiseConvolution2D,
+    SeparableConvolution2D,
+    ZeroPadding1DLayer,
+)
+from dl4py.config import Bidirectional, GravesBidirectionalLSTM, GravesLSTM, SimpleRnn
 from dl4py.errors import ConfigError
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -66,9 +75,17 @@ SAMPLES = {
                                        activation="relu", weight_init="uniform", l2=0.01, has_bias=False),
     "zero_padding": ZeroPaddingLayer(padding=(1, 0, 2, 3)),
     "layer_normalization": LayerNormalization(eps=1e-3),
+    "depthwise_convolution2d": DepthwiseConvolution2D(depth_multiplier=2, kernel_size=(3, 2), stride=(1, 2),
+                                                      padding=(1, 0), dilation=(2, 1), activation="relu",
+                                                      weight_init="uniform", l2=0.01, has_bias=False),
+    "separable_convolution2d": SeparableConvolution2D(n_out=3, depth_multiplier=3, kernel_size=(2, 3), stride=(2, 1),
+                                                      padding=(0, 1), dilation=(1, 2), activation="sigmoid",
+                                                      weight_init="normal", l2=0.02, has_bias=False),
+    "cropping2d": Cropping2D(cropping=(1, 0, 2, 1)),
 }
 CNN_TYPES = {"convolution", "subsampling", "global_pooling", "frozen", "upsampling2d", "deconvolution2d",
              "zero_padding", "layer_normalization"}
+CNN_TYPES |= {"depthwise_convolution2d", "separable_convolution2d", "cropping2d"}
 # Recurrent and embedding layers, each in a whole network: its input type and layers.
 SEQUENCE_SAMPLES = {
     "lstm": (InputType.recurrent(3, 5), [LSTM(n_out=4, weight_init="uniform", forget_gate_bias_init=0.5),
@@ -88,6 +105,21 @@ SEQUENCE_SAMPLES = {
     "self_attention": (InputType.recurrent(4), [SelfAttentionLayer(n_out=6, n_heads=3, head_size=4, weight_init="normal"),
                                                 SelfAttentionLayer(n_out=6, n_heads=2, project_input=False),
                                                 RnnOutputLayer(n_out=2)]),
+    "cropping1d": (InputType.recurrent(3, 7), [Cropping1D(cropping=(2, 1)), RnnOutputLayer(n_out=2)]),
+    "zero_padding1d": (InputType.recurrent(3), [ZeroPadding1DLayer(padding=(0, 2)), RnnOutputLayer(n_out=2)]),
+    "graves_lstm": (InputType.recurrent(3, 5), [GravesLSTM(n_out=4, activation="softsign", gate_activation="hardsigmoid",
+                                                           forget_gate_bias_init=0.5, weight_init="uniform", l2=0.01),
+                                                RnnOutputLayer(n_out=2)]),
+    "graves_bidirectional_lstm": (InputType.recurrent(3), [GravesBidirectionalLSTM(n_out=4, gate_activation="hardsigmoid",
+                                                                                   l2=0.1), RnnOutputLayer(n_out=2)]),
+    "simple_rnn": (InputType.recurrent(3), [SimpleRnn(n_out=4, activation="relu", weight_init="normal", l2=0.1),
+                                            RnnOutputLayer(n_out=2)]),
+    "bidirectional": (InputType.recurrent(3), [Bidirectional(LSTM(n_out=4, activation="relu"), mode="mul"),
+                                               RnnOutputLayer(n_out=2)]),
+    # Not a sequence layer, but like these a whole network: the CNN loss layer is its last layer.
+    "cnn_loss": (InputType.convolutional(5, 4, 2), [ConvolutionLayer(n_out=3, kernel_size=2),
+                                                    SubsamplingLayer(kernel_size=3, stride=2, convolution_mode="same"),
+                                                    CnnLossLayer(activation="softmax", loss="mae")]),
 }
 SAMPLES.update({name: next(layer for layer in layers if layer.type_name == name)
                 for name, (_, layers) in SEQUENCE_SAMPLES.items()})

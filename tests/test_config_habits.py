@@ -67,3 +67,18 @@ def test_a_misspelt_field_in_a_file_gets_a_did_you_mean():
 def test_lightning_precision_names(run, lightning, dl4py_name):
     assert run.with_overrides([f"training.precision={lightning}"]).training.precision == dl4py_name
     assert resolve_precision(lightning).name == dl4py_name
+
+
+def test_a_keyword_a_config_class_lacks_is_one_config_error():
+    """DL4J's builders set nIn (``new ConvolutionLayer.Builder(5, 5).nIn(1)``), as the seed writes
+    it: dl4py infers it, and says so instead of a bare TypeError; other unknown keywords get a
+    did-you-mean and the valid fields."""
+    from dl4py.config import ConvolutionLayer
+
+    with pytest.raises(ConfigError, match=r"^ConvolutionLayer\.n_in: dl4py infers it from the input type"):
+        ConvolutionLayer(n_in=1, n_out=20, kernel_size=5)
+    with pytest.raises(ConfigError, match=r"^DenseLayer\.activaton: unknown field \(did you mean 'activation'\?\); "
+                                          r"valid fields: activation, "):
+        DenseLayer(n_out=3, activaton="relu")
+    with pytest.raises(TypeError, match="missing 1 required"):  # a missing field stays Python's own error
+        DenseLayer()

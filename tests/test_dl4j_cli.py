@@ -15,7 +15,7 @@ from dl4py.cli import main
 
 MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "dl4j-models"
 MOON = MODELS / "dl4j-integration-tests" / "MLPMoon" / "Model_RANDOM_INIT_UNTRAINED.zip"
-GRAPH = MODELS / "regression_testing" / "080" / "080_ModelSerializer_Regression_CG_LSTM_1.zip"
+NO_INPUT_TYPE = MODELS / "regression_testing" / "080" / "080_ModelSerializer_Regression_CNN_1.zip"
 
 pytestmark = pytest.mark.skipif(not MODELS.is_dir(), reason=f"needs DL4J's files in {MODELS}")
 
@@ -33,7 +33,8 @@ def test_the_model_file_written_predicts_as_the_import(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    ([str(GRAPH)], "vertex '0', layer 0 (org.deeplearning4j.nn.conf.layers.GravesLSTM): dl4py has no counterpart"),
+    ([str(NO_INPUT_TYPE)], "layer 0 (org.deeplearning4j.nn.conf.layers.ConvolutionLayer): the file does not hold "
+                           "the input's shape"),
     ([str(MODELS / "regression_testing" / "080" / "080_ModelSerializer_Regression_MLP_2.zip"), "--strict"],
      "strict import, but it would leave out"),
 ])

@@ -242,9 +242,10 @@ def test_an_unknown_vertex_is_one_line_naming_it_and_nothing_is_built(tmp_path, 
 
 def test_a_layer_vertex_dl4py_cannot_map_names_the_vertex_and_its_class(tmp_path):
     conf = _graph()
-    conf["vertices"]["da"] = _layer_vertex("GravesLSTM", nin=3, nout=4)
+    conf["vertices"]["da"] = _layer_vertex("misc.ElementWiseMultiplicationLayer", nin=3, nout=3)
     with pytest.raises(DL4JFileError, match=r"graph\.zip:configuration\.json: vertex 'da', layer 1 "
-                                            r"\(org\.deeplearning4j\.nn\.conf\.layers\.GravesLSTM\)"):
+                                            r"\(org\.deeplearning4j\.nn\.conf\.layers\.misc\.ElementWiseMultiplicationLayer\): "
+                                            r"dl4py has no counterpart"):
         plan_import(_graph_zip(tmp_path, conf, np.arange(1, N_PARAMS + 1, dtype=np.float64)))
 
 
@@ -258,13 +259,14 @@ def test_a_graph_reading_a_name_it_lacks_is_one_line(tmp_path):
 # ---- DL4J's own graph files ---------------------------------------------------------------------
 
 @needs_dl4j_files
-def test_cg_lstm_1_0_8_is_refused_by_vertex_and_its_1_to_n_is_laid_out_exactly():
-    """0.8's wrapper dialect ({"LayerVertex": {...}}): GravesLSTM has no dl4py layer, so the import
-    is refused naming vertex '0'; DL4J's 1..N still lands in the entries the layouts name."""
-    with pytest.raises(DL4JFileError, match=r"CG_LSTM_1\.zip:configuration\.json: vertex '0', layer 0 "
-                                            r"\(org\.deeplearning4j\.nn\.conf\.layers\.GravesLSTM\): "
-                                            r"dl4py has no counterpart for DL4J's GravesLSTM"):
-        import_dl4j(CG_LSTM_1)
+def test_cg_lstm_1_0_8_imports_as_a_graph_with_every_value_where_dl4j_put_it():
+    """0.8's wrapper dialect ({"LayerVertex": {...}}): a GravesLSTM, a GravesBidirectionalLSTM and an
+    RNN output layer, as a ComputationGraph; DL4J's 1..N lands in the entries the layouts name,
+    and those are the imported graph's own tensors."""
+    net = import_dl4j(CG_LSTM_1)
+    assert type(net).__name__ == "ComputationGraph"
+    assert [type(net.config.vertices[name].layer).__name__ for name in ("0", "1", "2")] == [
+        "GravesLSTM", "GravesBidirectionalLSTM", "RnnOutputLayer"]
     graph = read_graph(read_dl4j_configuration(CG_LSTM_1))
     assert graph.order == ("in", "0", "1", "2") and graph.layer_names == ("0", "1", "2")
     prefixes = {i: f"vertices.{name}.op" for i, name in enumerate(graph.layer_names)}
@@ -278,32 +280,47 @@ def test_cg_lstm_1_0_8_is_refused_by_vertex_and_its_1_to_n_is_laid_out_exactly()
     weight, bias, end = _dense(first, 4, 5)
     expected.update({"vertices.2.op.weight": weight, "vertices.2.op.bias": bias})
     assert set(values) == set(expected) and end - 1 == flat.size == 477
+    state = {name: tensor.detach().numpy() for name, tensor in net.module.state_dict().items()}
+    assert set(state) == set(expected)
     for name, value in expected.items():
         np.testing.assert_array_equal(values[name], value, err_msg=name)
+        np.testing.assert_array_equal(state[name], value, err_msg=name)
 
 
 @needs_dl4j_files
-def test_synthetic_bidirectional_graph_is_refused_naming_its_bidirectional_vertex():
-    """1.0.0-beta4: Bidirectional(LSTM) and Bidirectional(SimpleRnn) have no dl4py layer (their
-    output is reproduced from the laid-out parameters in test_dl4j_layers)."""
-    with pytest.raises(DL4JFileError, match=r"SyntheticBidirectionalRNNGraph_100b4\.bin:configuration\.json: "
-                                            r"vertex 'rnn1', layer 0 \(org\.deeplearning4j\.nn\.conf\.layers\."
-                                            r"recurrent\.Bidirectional\): dl4py has no counterpart"):
-        import_dl4j(SYNTHETIC)
+def test_synthetic_bidirectional_graph_imports_and_gives_dl4j_s_output():
+    """1.0.0-beta4: Bidirectional(LSTM, relu) and Bidirectional(SimpleRnn, relu) on the input,
+    merged, max-pooled over time, a softmax output: imported as a graph, its output on DL4J's
+    input array is DL4J's output array within DL4J's own tolerance (RegressionTest100b4: 1e-3
+    relative; here it holds to float's precision)."""
+    net = import_dl4j(SYNTHETIC)
     graph = read_graph(read_dl4j_configuration(SYNTHETIC))
     assert graph.order == ("input", "rnn1", "rnn2", "concat", "pooling", "out")
     assert graph.vertices["concat"].kind == "MergeVertex" and graph.layer_names == ("rnn1", "rnn2", "pooling", "out")
+    folder = SYNTHETIC.parent
+    x = read_array(folder / "SyntheticBidirectionalRNNGraph_Input_100b4.bin")  # [4, 10, 10]: NCW
+    expected = read_array(folder / "SyntheticBidirectionalRNNGraph_Output_100b4.bin")
+    out = net.output(torch.from_numpy(x.transpose(0, 2, 1).copy())).numpy()  # dl4py's [batch, time, size]
+    np.testing.assert_allclose(out, expected, rtol=1e-3, atol=0)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-7)
 
 
 @needs_dl4j_files
-def test_cnn1d_character_graph_is_refused_at_its_pooling_and_its_gradients_follow_the_graph_order():
-    """1.0.0-beta7: its Subsampling1D pads unevenly in Same mode (and Cropping1D, ZeroPadding1D
-    follow), which dl4py's layers do not do: refused naming vertex '1'. The graph's slots, in the
+def test_cnn1d_character_graph_imports_and_its_gradients_follow_the_graph_order():
+    """1.0.0-beta7: a Same-mode 1-D convolution, Same-mode 1-D max pooling with stride 2 (its
+    padding depends on each sequence's length), Cropping1D, ZeroPadding1D and an RNN output layer:
+    imported as a graph, its untrained parameters in its modules. The graph's slots, in the
     cached topological order, cut flattenedGradients.bin into exactly the gradients/ files."""
     zip_path = CNN1D / "Model_RANDOM_INIT_UNTRAINED.zip"
-    with pytest.raises(DL4JFileError, match=r"Model_RANDOM_INIT_UNTRAINED\.zip:configuration\.json: vertex '1', "
-                                            r"layer 1 \(org\.deeplearning4j\.nn\.conf\.layers\.Subsampling1DLayer\)"):
-        import_dl4j(zip_path)
+    net = import_dl4j(zip_path)
+    kinds = {name: type(node.layer).__name__ for name, node in net.config.vertices.items()}
+    assert kinds == {"0": "Convolution1DLayer", "1": "Subsampling1DLayer", "2": "Cropping1D",
+                     "3": "ZeroPadding1DLayer", "out": "RnnOutputLayer"}
+    assert net.config.vertices["1"].layer.convolution_mode == "same"
+    # the pooling's window [2, 1], stride [1, 2]: a 1-D layer's first values count, so stride 1,
+    # Same mode padding one step after the sequence only; then one step cropped and padded each end
+    x = torch.randn(2, 9, 77)
+    assert net.output(x).shape == (2, 9, 77)
     graph = read_graph(read_dl4j_configuration(zip_path))
     assert graph.order == ("in", "0", "1", "2", "3", "out")
     prefixes = {i: f"vertices.{name}.op" for i, name in enumerate(graph.layer_names)}

@@ -156,10 +156,12 @@ def test_0_8_l2_and_l1_count_only_where_regularization_was_switched_on(tmp_path)
     assert plan.mapped.config.l2 == 0.0 and not any("L1" in line for line in plan.left_out)
 
 
-def test_cnn_1_lays_out_bias_first_then_c_order_weights_and_is_refused_for_its_padding():
-    """Convolution: b [nOut] first, then W [nOut, nIn, kH, kW] in C order. The network itself
-    is Same-mode pooling with a 2x2 window, padded on one side only, with the padding left
-    out of the max: dl4py's pooling pads evenly (and DL4J's file declares nIn 2028 = 26*26*3)."""
+def test_cnn_1_lays_out_bias_first_then_c_order_weights_and_imports_with_same_mode_pooling():
+    """Convolution: b [nOut] first, then W [nOut, nIn, kH, kW] in C order. The network's Same-mode
+    2x2 convolution pads one side (a zero-padding layer before it) and its Same-mode 2x2 pooling
+    pads one side with the padding left out of the max (dl4py's convolution_mode="same"). The
+    file holds no input type, and its output layer's nIn 2028 is 26*26*3: Same mode keeps the
+    size, so the input is 26x26x3 (the readme's comments count as if Truncate)."""
     conf = read_dl4j_configuration(_zip("CNN_1"))
     flat = read_array(zipfile.ZipFile(_zip("CNN_1")).read("coefficients.bin"))
     values = split_parameters(param_slots(conf), flat, "CNN_1")
@@ -178,19 +180,31 @@ def test_cnn_1_lays_out_bias_first_then_c_order_weights_and_is_refused_for_its_p
     with pytest.raises(DL4JFileError, match=r"CNN_1\.zip:configuration\.json: layer 0 \(.*ConvolutionLayer\): "
                                             r"the file does not hold the input's shape.*input_type="):
         import_dl4j(_zip("CNN_1"))
-    with pytest.raises(DL4JFileError, match=r"CNN_1\.zip:configuration\.json: layer 1 \(.*SubsamplingLayer\): "
-                                            r"Same mode pads this pooling unevenly \[0, 1, 0, 1\]"):
-        import_dl4j(_zip("CNN_1"), input_type=InputType.convolutional(26, 26, 3))
+    net = import_dl4j(_zip("CNN_1"), input_type=InputType.convolutional(26, 26, 3))
+    assert [layer.type_name for layer in net.config.layers] == ["zero_padding", "convolution", "subsampling", "output"]
+    assert net.config.layers[0].padding == (0, 1, 0, 1) and net.config.layers[2].convolution_mode == "same"
+    state = _state(net)
+    np.testing.assert_array_equal(state["1.op.weight"], expected)
+    np.testing.assert_array_equal(state["3.op.weight"], weight)
+    x = torch.from_numpy(np.random.default_rng(2).normal(size=(2, 3, 26, 26)).astype(np.float32))
+    assert net.output(x).shape == (2, 5)
+    # Its CnnToFeedForward preprocessor says [3, 28, 28] (DL4J inferred it from the builder's
+    # 28x28 input type) against the layers' [3, 26, 26], which the output layer's own nIn is: the
+    # layers win, and the import says what it set aside
+    plan = plan_import(_zip("CNN_1"), InputType.convolutional(26, 26, 3))
+    assert any("the input preprocessor's [channels, height, width] [3, 28, 28] (the layers before give "
+               "[3, 26, 26], which is the layer's nIn 2028: used)" in line for line in plan.left_out)
+    with pytest.raises(DL4JFileError, match=r"layer 2 \(.*OutputLayer\): DL4J flattens \[channels, height, width\] "
+                                            r"\[3, 28, 28\] here, but the layers before give \[3, 27, 27\]"):
+        plan_import(_zip("CNN_1"), InputType.convolutional(27, 27, 3))  # neither the preprocessor nor the nIn
 
 
-def test_lstm_1_graves_layouts_land_in_torch_gate_order_and_the_network_is_refused():
-    """GravesLSTM and GravesBidirectionalLSTM (peephole LSTMs) have no dl4py layer: the import
-    refuses them by name; their layout is still laid out exactly, onto nn.LSTM's entries and
-    the peephole vectors a peephole module would hold."""
-    with pytest.raises(DL4JFileError, match=r"LSTM_1\.zip:configuration\.json: layer 0 "
-                                            r"\(org\.deeplearning4j\.nn\.conf\.layers\.GravesLSTM\): "
-                                            r"dl4py has no counterpart for DL4J's GravesLSTM"):
-        import_dl4j(_zip("LSTM_1"))
+def test_lstm_1_graves_layouts_land_in_torch_gate_order_in_the_imported_network():
+    """GravesLSTM and GravesBidirectionalLSTM (peephole LSTMs; softsign on the second): laid out
+    exactly, onto nn.LSTM's entries and the peephole vectors, which are the imported network's."""
+    net = import_dl4j(_zip("LSTM_1"))
+    assert [layer.type_name for layer in net.config.layers if layer.type_name != "dropout"] == [
+        "graves_lstm", "graves_bidirectional_lstm", "rnn_output"]
     conf = read_dl4j_configuration(_zip("LSTM_1"))
     flat = read_array(zipfile.ZipFile(_zip("LSTM_1")).read("coefficients.bin"))
     values = split_parameters(param_slots(conf), flat, "LSTM_1")
@@ -204,6 +218,17 @@ def test_lstm_1_graves_layouts_land_in_torch_gate_order_and_the_network_is_refus
     assert set(values) == set(expected) and end - 1 == flat.size == 477
     for name, value in expected.items():
         np.testing.assert_array_equal(values[name], value, err_msg=name)
+    # DL4J's dropout on each layer's input becomes a dl4py layer before it: the import's prefixes
+    # say where each DL4J layer's parameters went, and there they are
+    prefixes = plan_import(_zip("LSTM_1")).mapped.prefixes
+    assert prefixes == {0: "1.op", 1: "3.op", 2: "5.op"}
+    state = _state(net)
+    assert len(state) == len(expected)
+    for name, value in expected.items():
+        layer, rest = name.split(".", 1)
+        np.testing.assert_array_equal(state[f"{prefixes[int(layer)]}.{rest.removeprefix('op.')}"], value, err_msg=name)
+    graves, bidirectional = net.config.layers[1], net.config.layers[3]
+    assert (graves.activation, bidirectional.activation) == ("tanh", "softsign")
 
 
 def test_the_slots_go_back_to_the_flat_vector_exactly():
@@ -220,14 +245,11 @@ def test_the_slots_go_back_to_the_flat_vector_exactly():
         np.testing.assert_array_equal(join_parameters(slots, tensors), flat)
 
 
-def test_a_graph_whose_layers_dl4py_lacks_is_refused_naming_the_vertex():
-    """Graphs import (tests/test_dl4j_graph_import.py); these two hold layers dl4py has not."""
-    for path, vertex, java in ((_zip("CG_LSTM_1"), "'0', layer 0", "GravesLSTM"),
-                               (V100B4 / "SyntheticBidirectionalRNNGraph_100b4.bin", "'rnn1', layer 0",
-                                "recurrent.Bidirectional")):
-        with pytest.raises(DL4JFileError, match=rf"{path.name}:configuration.json: vertex {vertex} "
-                                                rf"\(org.deeplearning4j.nn.conf.layers.{java}\)"):
-            import_dl4j(path)
+def test_the_graph_files_with_recurrent_layers_import_as_graphs():
+    """Graphs import (tests/test_dl4j_graph_import.py checks each); these two hold DL4J's
+    peephole and bidirectional recurrent layers."""
+    for path in (_zip("CG_LSTM_1"), V100B4 / "SyntheticBidirectionalRNNGraph_100b4.bin"):
+        assert type(import_dl4j(path)).__name__ == "ComputationGraph"
 
 
 # ---- 1.0 networks written here: DL4J's own equations against dl4py's modules ------------------------
@@ -429,11 +451,23 @@ def test_the_custom_layer_example_gives_dl4j_s_output_once_registered(dtype, cus
         np.testing.assert_allclose(out, expected, rtol=TOLERANCE[dtype], atol=0)
 
 
-def test_synthetic_cnn_is_refused_at_its_first_layer_dl4py_lacks():
+def test_synthetic_cnn_gives_dl4j_s_output():
+    """1.0.0-beta4's SyntheticCNN: a strided convolution, a Same-mode separable convolution,
+    pooling, zero padding, upsampling, a depthwise convolution (depth multiplier 2), pooling,
+    cropping, a convolution and a CNN loss layer (MAE). The file keeps no input type: the input
+    array's [n, 1, 28, 28] gives it. Its output on DL4J's input is DL4J's output within DL4J's
+    own tolerance (1e-3 relative; it holds to float's precision)."""
     path = V100B4 / "SyntheticCNN_100b4.bin"
-    with pytest.raises(DL4JFileError, match=r"SyntheticCNN_100b4\.bin:configuration\.json: layer 1 "
-                                            r"\(.*SeparableConvolution2D\): dl4py has no counterpart"):
-        import_dl4j(path, input_type=InputType.convolutional(28, 28, 1))
+    features = read_array(V100B4 / "SyntheticCNN_Input_100b4.bin")
+    expected = read_array(V100B4 / "SyntheticCNN_Output_100b4.bin")  # [4, 4, 11, 22]
+    net = import_dl4j(path, input_type=InputType.convolutional(*features.shape[2:], features.shape[1]))
+    assert [layer.type_name for layer in net.config.layers] == [
+        "convolution", "separable_convolution2d", "subsampling", "zero_padding", "upsampling2d",
+        "depthwise_convolution2d", "subsampling", "cropping2d", "convolution", "cnn_loss"]
+    assert net.config.layers[-1].loss == "mae"
+    out = net.output(torch.from_numpy(features)).numpy()
+    np.testing.assert_allclose(out, expected, rtol=1e-3, atol=0)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
 
 
 # ---- the integration tests' models: DL4J's predictions and evaluations ---------------------------

@@ -1,6 +1,5 @@
-"""More DL4J layer types in the importer (``dl4py.import_dl4j``): 1-D convolution and pooling,
-transposed 2-D convolution, self-attention, and the parameter layouts of the recurrent layers
-dl4py has no layer for (SimpleRnn, Bidirectional), which the import refuses by name.
+"""More DL4J layer types in the importer (``dl4py.import_dl4j``): 1-D convolution and pooling
+(Same mode too), transposed 2-D convolution, self-attention, SimpleRnn and Bidirectional.
 
 For each: a 1.0-dialect network written here with coefficients 1, 2, ..., N, and the place of
 every value asserted against tensors written from DL4J's layout rules (its ``*ParamInitializer``
@@ -123,6 +122,29 @@ def test_a_1d_convolution_computes_dl4j_s_conv1d(tmp_path, mode, stride, padding
     assert net.config.input_type == InputType.recurrent(n_in) and net.config.layers[0].padding == expected_padding
     x = rng.normal(size=(2, n_in, steps))  # DL4J's [batch, size, time]
     hidden = np.tanh(_conv1d(x, w, bias, stride, expected_padding, dilation))
+    np.testing.assert_allclose(_output(net, x.transpose(0, 2, 1)), _per_step(hidden, w_out, b_out),
+                               rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("kernel, stride, steps", [(2, 1, 7), (3, 2, 10), (4, 3, 11), (3, 2, 9)])
+def test_a_same_mode_1d_convolution_pads_as_dl4j_does(tmp_path, kernel, stride, steps):
+    """Same mode that pads one end more than the other (an even window) or by the sequence's
+    length (a stride above 1): dl4py's convolution_mode="same", DL4J's rule at run time: out =
+    ceil(steps / stride), the padding that takes split with the smaller half first."""
+    n_in, n_out = 3, 4
+    layers = [_conv1d_layer(n_in, n_out, kernel, stride=[stride, 1], convolutionMode="Same"), _rnn_output(n_out, 2)]
+    rng = np.random.default_rng(11)
+    params = rng.normal(size=n_out + n_out * n_in * kernel + n_out * 2 + 2)
+    bias, w = params[:n_out], params[n_out:n_out + n_out * n_in * kernel].reshape(n_out, n_in, kernel, 1)[..., 0]
+    w_out, b_out = _dense_f(params[-10:-2], n_out, 2), params[-2:]
+    net = import_dl4j(_network_zip(tmp_path, layers, params))
+    assert net.config.layers[0].convolution_mode == "same" and net.config.layers[0].padding == 0
+    x = rng.normal(size=(2, n_in, steps))
+    out = -(-steps // stride)
+    total = max((out - 1) * stride + kernel - steps, 0)
+    padded = np.pad(x, ((0, 0), (0, 0), (total // 2, total - total // 2)))
+    hidden = np.tanh(_conv1d(padded, w, bias, stride, 0, 1))
+    assert hidden.shape[2] == out
     np.testing.assert_allclose(_output(net, x.transpose(0, 2, 1)), _per_step(hidden, w_out, b_out),
                                rtol=RTOL, atol=ATOL)
 
@@ -319,7 +341,7 @@ def test_self_attention_without_projection_scales_by_the_input_size(tmp_path):
     np.testing.assert_allclose(_output(net, x.transpose(0, 2, 1)), expected, rtol=RTOL, atol=ATOL)
 
 
-# ---- recurrent layers dl4py has no layer for: refused, laid out exactly ------------------------------
+# ---- SimpleRnn and Bidirectional: laid out exactly, DL4J's equations computed ------------------------------
 
 def _simple_rnn_dl4j(x: np.ndarray, w, rw, b, act=np.tanh) -> np.ndarray:
     """SimpleRnn.activateHelper: out_t = act(x_t W + out_{t-1} RW + b), on [batch, nIn, time]."""
@@ -354,18 +376,24 @@ def _recurrent_zip(tmp_path: Path, layer: dict, count: int, n_out: int) -> tuple
     return _network_zip(tmp_path, [layer, _rnn_output(n_out, 2)], params), params
 
 
-def test_simple_rnn_is_refused_by_name_and_laid_out_as_nn_rnn(tmp_path):
+def test_simple_rnn_is_laid_out_as_nn_rnn_and_computes_dl4j_s_simple_rnn(tmp_path):
     """SimpleRnnParamInitializer: W [nIn, nOut], RW [nOut, nOut] (Fortran order), b; nn.RNN's
-    weight_ih_l0 / weight_hh_l0 are W / RW transposed, b its first bias (the second zero). dl4py
-    has no simple RNN layer: the import is refused, the layout holds for one to come."""
+    weight_ih_l0 / weight_hh_l0 are W / RW transposed, b its first bias (the second zero). The
+    imported network holds them and computes SimpleRnn.activateHelper (softsign here, which
+    nn.RNN has not: dl4py's own step loop)."""
     n_in, n = 3, 4
-    layer = _layer("recurrent.SimpleRnn", nin=n_in, nout=n, activationFn=_activation("TanH"), hasLayerNorm=False)
+    layer = _layer("recurrent.SimpleRnn", nin=n_in, nout=n, activationFn=_activation("SoftSign"), hasLayerNorm=False)
     path, params = _recurrent_zip(tmp_path, layer, n_in * n + n * n + n, n)
-    with pytest.raises(DL4JFileError, match=r"network\.zip:configuration\.json: layer 0 "
-                                            r"\(org\.deeplearning4j\.nn\.conf\.layers\.recurrent\.SimpleRnn\): "
-                                            r"dl4py has no counterpart for DL4J's SimpleRnn") as exc:
-        import_dl4j(path)
-    _one_line(exc)
+    net = import_dl4j(path, precision="double")
+    assert net.config.layers[0].type_name == "simple_rnn" and net.config.layers[0].activation == "softsign"
+    x_ncw = np.random.default_rng(18).normal(size=(2, n_in, 5))
+    w, rw, b = _dense_f(params[:12], n_in, n), _dense_f(params[12:28], n, n), params[28:32]
+    hidden = _simple_rnn_dl4j(x_ncw, w, rw, b, act=lambda v: v / (1 + np.abs(v)))
+    w_out, b_out = _dense_f(params[32:40], n, 2), params[40:42]
+    np.testing.assert_allclose(_output(net, x_ncw.transpose(0, 2, 1).copy()), _per_step(hidden, w_out, b_out),
+                               rtol=RTOL, atol=ATOL)
+    layer["layer"]["activationFn"] = _activation("TanH")
+    path, params = _recurrent_zip(tmp_path, layer, n_in * n + n * n + n, n)
     conf = read_dl4j_configuration(path)
     slots = param_slots(conf)
     assert [(s.key, s.offset, s.count) for s in slots[:3]] == [("W", 0, 12), ("RW", 12, 16), ("b", 28, 4)]
@@ -383,28 +411,33 @@ def test_simple_rnn_is_refused_by_name_and_laid_out_as_nn_rnn(tmp_path):
     out, _ = rnn(torch.from_numpy(x.transpose(0, 2, 1).copy()))
     np.testing.assert_allclose(out.detach().numpy(), _simple_rnn_dl4j(x, w, rw, b).transpose(0, 2, 1),
                                rtol=RTOL, atol=ATOL)
-    # with layer normalization, DL4J adds the gains g [2 nOut] after b
+    # with layer normalization, DL4J adds the gains g [2 nOut] after b: laid out, and refused
     layer["layer"]["hasLayerNorm"] = True
     path, _ = _recurrent_zip(tmp_path, layer, n_in * n + n * n + 3 * n, n)
     gains = param_slots(read_dl4j_configuration(path))[3]
     assert (gains.key, gains.offset, gains.count) == ("g", 32, 8)
+    with pytest.raises(DL4JFileError, match=r"layer 0 \(org\.deeplearning4j\.nn\.conf\.layers\.recurrent\.SimpleRnn\): "
+                                            r"a SimpleRnn with layer normalization \(hasLayerNorm\) has no dl4py "
+                                            r"counterpart") as exc:
+        import_dl4j(path)
+    _one_line(exc)
 
 
-def test_bidirectional_is_refused_by_name_and_laid_out_as_a_bidirectional_nn_lstm(tmp_path):
+@pytest.mark.parametrize("mode", ["CONCAT", "ADD", "MUL", "AVERAGE"])
+def test_bidirectional_is_laid_out_as_a_bidirectional_nn_lstm_and_computes_dl4j_s_modes(tmp_path, mode):
     """BidirectionalParamInitializer: the wrapped LSTM's parameters for the forward copy (keys
     fW, fRW, fb), then the backward copy's (bW, bRW, bb); torch's backward entries end in
-    _reverse. DL4J's CONCAT mode is nn.LSTM(bidirectional=True)'s output."""
+    _reverse. DL4J's CONCAT mode is nn.LSTM(bidirectional=True)'s output; the imported layer
+    computes each of DL4J's four modes."""
     n_in, n = 3, 2
     lstm = {"@class": LAYERS + "LSTM", "nin": n_in, "nout": n, "activationFn": _activation("TanH"),
             "gateActivationFn": _activation("Sigmoid"), "forgetGateBiasInit": 1.0}
-    layer = _layer("recurrent.Bidirectional", fwd=lstm, bwd=lstm, mode="CONCAT", nin=n_in, nout=n)
+    layer = _layer("recurrent.Bidirectional", fwd=lstm, bwd=lstm, mode=mode, nin=n_in, nout=n)
     per_direction = n_in * 4 * n + n * 4 * n + 4 * n
-    path, params = _recurrent_zip(tmp_path, layer, 2 * per_direction, 2 * n)
-    with pytest.raises(DL4JFileError, match=r"network\.zip:configuration\.json: layer 0 "
-                                            r"\(org\.deeplearning4j\.nn\.conf\.layers\.recurrent\.Bidirectional\): "
-                                            r"dl4py has no counterpart for DL4J's Bidirectional") as exc:
-        import_dl4j(path)
-    _one_line(exc)
+    width = 2 * n if mode == "CONCAT" else n
+    path, params = _recurrent_zip(tmp_path, layer, 2 * per_direction, width)
+    net = import_dl4j(path, precision="double")
+    assert net.config.layers[0].type_name == "bidirectional" and net.config.layers[0].mode == mode.lower()
     slots = param_slots(read_dl4j_configuration(path))
     assert [s.key for s in slots] == ["fW", "fRW", "fb", "bW", "bRW", "bb", "W", "b"]
     values = split_parameters(slots, params, "network.zip")
@@ -418,10 +451,15 @@ def test_bidirectional_is_refused_by_name_and_laid_out_as_a_bidirectional_nn_lst
         return w, rw, params[first + 40:first + 48]
 
     x = np.random.default_rng(17).normal(size=(2, n_in, 6))
-    expected = np.concatenate([_lstm_dl4j(x, *direction(0)), _reversed(_lstm_dl4j, x, *direction(per_direction))],
-                              axis=1)
-    out, _ = module(torch.from_numpy(x.transpose(0, 2, 1).copy()))
-    np.testing.assert_allclose(out.detach().numpy(), expected.transpose(0, 2, 1), rtol=RTOL, atol=ATOL)
+    forward, backward = _lstm_dl4j(x, *direction(0)), _reversed(_lstm_dl4j, x, *direction(per_direction))
+    combined = {"CONCAT": lambda: np.concatenate([forward, backward], axis=1), "ADD": lambda: forward + backward,
+                "MUL": lambda: forward * backward, "AVERAGE": lambda: (forward + backward) / 2}[mode]()
+    if mode == "CONCAT":
+        out, _ = module(torch.from_numpy(x.transpose(0, 2, 1).copy()))
+        np.testing.assert_allclose(out.detach().numpy(), combined.transpose(0, 2, 1), rtol=RTOL, atol=ATOL)
+    w_out, b_out = _dense_f(params[2 * per_direction:2 * per_direction + width * 2], width, 2), params[-2:]
+    np.testing.assert_allclose(_output(net, x.transpose(0, 2, 1).copy()), _per_step(combined, w_out, b_out),
+                               rtol=RTOL, atol=ATOL)
 
 
 def _graph_layers(path: Path):
@@ -488,10 +526,6 @@ def test_synthetic_bidirectional_rnn_graph_s_output_from_the_laid_out_parameters
      r"dl4py has no counterpart for DL4J's LossLayer"),
     ([_conv1d_layer(3, 4, 3, convolutionMode="Causal")], 1, "Convolution1DLayer",
      r"Causal convolution mode pads the start of the sequence only"),
-    ([_conv1d_layer(3, 4, 2, convolutionMode="Same")], 1, "Convolution1DLayer",
-     r"Same mode pads this sequence unevenly \(0 step\(s\) before, 1 after\)"),
-    ([_conv1d_layer(3, 4, 3, convolutionMode="Same", stride=[2, 1])], 1, "Convolution1DLayer",
-     r"Same mode with stride 2: its padding depends on each sequence's length"),
     ([_layer("Subsampling1DLayer", poolingType="PNORM", kernelSize=[2, 1], stride=[2, 1], padding=[0, 0])], 1,
      "Subsampling1DLayer", r"pooling type PNORM has no dl4py counterpart"),
     ([_layer("Subsampling1DLayer", poolingType="AVG", kernelSize=[3, 1], stride=[1, 1], padding=[1, 0],

@@ -17,16 +17,23 @@ from dl4py.memory.operations import network_ops  # imported, it has every memory
 from dl4py.nn.builder import build_module  # ... and this every builder
 from test_config import SAMPLES, SEQUENCE_SAMPLES, sample_layers
 
-# The layer types before the registry, written out so that a type lost on the way fails.
-TYPE_NAMES = [
+# The layer types before the registry, written out so that a type lost on the way fails
+# (sorted, as the registry lists them), then those added since (DL4J's, for its model files).
+TYPE_NAMES = sorted([
     "activation", "batch_normalization", "convolution", "convolution1d", "deconvolution2d", "dense",
     "dropout", "embedding", "embedding_sequence", "frozen", "global_pooling", "gru", "last_time_step",
     "layer_normalization", "lstm", "output", "rnn_output", "self_attention", "subsampling",
     "subsampling1d", "upsampling2d", "zero_padding",
-]
+    "cnn_loss", "cropping1d", "cropping2d", "depthwise_convolution2d", "separable_convolution2d", "zero_padding1d",
+    "bidirectional", "graves_bidirectional_lstm", "graves_lstm", "simple_rnn",
+])
 # Those a sequence [time, size] may go into (before: config/recurrent.py's TAKES_SEQUENCES, and dropout).
 TAKE_SEQUENCES = {"convolution1d", "dropout", "embedding_sequence", "gru", "last_time_step",
                   "layer_normalization", "lstm", "rnn_output", "self_attention", "subsampling1d"}
+# ... and since (DL4J's layers for its model files): 1-D cropping and padding, the peephole,
+# simple and bidirectional recurrent layers, and global pooling over a sequence's steps.
+TAKE_SEQUENCES |= {"cropping1d", "zero_padding1d", "bidirectional", "graves_bidirectional_lstm", "graves_lstm",
+                   "simple_rnn", "global_pooling"}
 # What an unknown ``type:`` said before the registry, word for word.
 UNKNOWN_TYPE = ("network.layers[1].type: unknown type 'pooling'; known: " + ", ".join(TYPE_NAMES))
 

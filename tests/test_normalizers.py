@@ -66,6 +66,21 @@ def test_one_streaming_pass_equals_the_whole_array_statistics():
     np.testing.assert_array_equal(minmax.max.numpy(), x.max(0))
 
 
+def test_fit_takes_what_model_fit_takes_and_names_what_it_cannot():
+    """A Keras-style ``(x, y)`` pair and a DataSet give the statistics of x alone; a value that is
+    no data at all is one DataError, not an AttributeError from inside."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(50, 3)).astype(np.float32)
+    y = np.arange(50) % 2
+    alone = NormalizerStandardize().fit(x)
+    for data in ((x, y), DataSet(torch.from_numpy(x), torch.from_numpy(y))):
+        fitted = NormalizerStandardize().fit(data)
+        torch.testing.assert_close(fitted.mean, alone.mean)
+        torch.testing.assert_close(fitted.std, alone.std)
+    with pytest.raises(DataError, match=r"normalizer fit: cannot train on int"):
+        NormalizerStandardize().fit(5)
+
+
 def test_images_are_normalized_per_channel():
     rng = np.random.default_rng(1)
     images = rng.uniform(0, 255, size=(37, 3, 4, 5)) + np.array([0, 100, -50])[None, :, None, None]

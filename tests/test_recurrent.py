@@ -166,7 +166,7 @@ def test_impossible_configurations_are_named(layers, input_type, where, words):
 def test_bad_fields_are_named():
     with pytest.raises(ConfigError, match=r"layers\[0\]\.activation"):
         NetworkConfig.from_dict({"input_type": {"type": "recurrent", "size": 2},
-                                 "layers": [{"type": "lstm", "n_out": 3, "activation": "relu"},
+                                 "layers": [{"type": "gru", "n_out": 3, "activation": "relu"},
                                             {"type": "rnn_output", "n_out": 2}]})
     with pytest.raises(ConfigError, match=r"layers\[0\]\.layer"):
         NetworkConfig.from_dict({"input_type": {"type": "recurrent", "size": 2},

@@ -111,6 +111,11 @@ def test_roc_multi_class_one_vs_all_matches_sklearn():
         assert roc.calculate_auprc(c) == pytest.approx(_sk_auprc(labels == c, scores[:, c]), abs=TOL)
     assert roc.calculate_average_auc() == pytest.approx(
         roc_auc_score(labels, scores, multi_class="ovr", average="macro"), abs=TOL)
+    # A binary ROC's bare calculate_auc() says what a multi-class one needs instead
+    with pytest.raises(TypeError, match=r"calculate_auc needs the class index.*calculate_average_auc\(\) averages"):
+        roc.calculate_auc()
+    with pytest.raises(TypeError, match=r"calculate_auprc needs the class index.*calculate_average_auprc\(\)"):
+        roc.calculate_auprc()
 
 
 def test_roc_refuses_bad_input_by_name():

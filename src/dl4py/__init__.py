@@ -55,6 +55,7 @@ from dl4py.config.recurrent import (
     LastTimeStep,
     RnnOutputLayer,
 )
+from dl4py.config.recurrent_extra import Bidirectional, GravesBidirectionalLSTM, GravesLSTM, SimpleRnn
 from dl4py.config.layers_extra import (
     Convolution1DLayer,
     Deconvolution2D,
@@ -63,6 +64,14 @@ from dl4py.config.layers_extra import (
     Subsampling1DLayer,
     Upsampling2D,
     ZeroPaddingLayer,
+)
+from dl4py.config.layers_conv import (
+    CnnLossLayer,
+    Cropping1D,
+    Cropping2D,
+    DepthwiseConvolution2D,
+    SeparableConvolution2D,
+    ZeroPadding1DLayer,
 )
 from dl4py.data.sequences import SequenceDataSetIterator
 from dl4py.errors import BackendError, ConfigError, DataError, DL4PyError, InferenceError, TrainingError
@@ -93,9 +102,12 @@ __all__ = [
     "TableDirectoryIterator", "TorchModel", "TrainingError", "TransferLearning", "TrainingInterrupted", "environment", "get_default_dtype", "load",
     "resolve_backend", "set_backend", "set_default_dtype",
     "EmbeddingLayer", "EmbeddingSequenceLayer", "GRU", "LastTimeStep", "LSTM", "RnnOutputLayer",
+    "Bidirectional", "GravesBidirectionalLSTM", "GravesLSTM", "SimpleRnn",
     "SequenceDataSetIterator",
     "Convolution1DLayer", "Deconvolution2D", "LayerNormalization", "SelfAttentionLayer",
     "Subsampling1DLayer", "Upsampling2D", "ZeroPaddingLayer",
+    "CnnLossLayer", "Cropping1D", "Cropping2D", "DepthwiseConvolution2D", "SeparableConvolution2D",
+    "ZeroPadding1DLayer",
     "InferenceError", "ParallelInference",
     "EarlyStopping", "ModelCheckpoint",
     "import_dl4j",

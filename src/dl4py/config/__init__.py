@@ -13,6 +13,14 @@ from dl4py.config.layers import (
     SubsamplingLayer,
 )
 from dl4py.config.frozen import FrozenLayer
+from dl4py.config.layers_conv import (
+    CnnLossLayer,
+    Cropping1D,
+    Cropping2D,
+    DepthwiseConvolution2D,
+    SeparableConvolution2D,
+    ZeroPadding1DLayer,
+)
 from dl4py.config.layers_extra import (
     Convolution1DLayer,
     Deconvolution2D,
@@ -41,6 +49,7 @@ from dl4py.config.recurrent import (
     LastTimeStep,
     RnnOutputLayer,
 )
+from dl4py.config.recurrent_extra import Bidirectional, GravesBidirectionalLSTM, GravesLSTM, SimpleRnn
 from dl4py.config.run import DataConfig, EnvironmentConfig, LoggingConfig, RunConfig, TrainingConfig
 from dl4py.config.schedules import (
     ExponentialSchedule,
@@ -59,8 +68,11 @@ __all__ = [
     "Schedule", "Sgd", "StepSchedule", "SubsamplingLayer", "TrainingConfig", "Updater",
     "GRU", "LSTM", "EmbeddingLayer", "EmbeddingSequenceLayer", "LastTimeStep", "Recurrent",
     "RnnOutputLayer",
+    "Bidirectional", "GravesBidirectionalLSTM", "GravesLSTM", "SimpleRnn",
     "Convolution1DLayer", "Deconvolution2D", "LayerNormalization", "SelfAttentionLayer",
     "Subsampling1DLayer", "Upsampling2D", "ZeroPaddingLayer",
+    "CnnLossLayer", "Cropping1D", "Cropping2D", "DepthwiseConvolution2D", "SeparableConvolution2D",
+    "ZeroPadding1DLayer",
     "ComputationGraphConfiguration", "ElementWiseVertex", "GraphConfig", "GraphNode", "GraphVertex",
     "MergeVertex", "PreprocessorVertex", "SubsetVertex",
 ]

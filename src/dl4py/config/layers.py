@@ -14,9 +14,12 @@ from typing import ClassVar, Literal, Optional
 from dl4py.config.schema import TaggedConfig, join
 from dl4py.errors import ConfigError
 
-Activation = Literal["identity", "relu", "leakyrelu", "tanh", "sigmoid", "softmax", "gelu"]
+Activation = Literal["identity", "relu", "leakyrelu", "tanh", "sigmoid", "softmax", "gelu", "softsign"]
 WeightInit = Literal["xavier", "relu", "normal", "uniform", "zero"]
-Loss = Literal["negativeloglikelihood", "mcxent", "mse", "xent"]
+Loss = Literal["negativeloglikelihood", "mcxent", "mse", "xent", "mae"]
+# DL4J's ConvolutionMode: "truncate" drops what a window cannot reach; "same" pads so the
+# output size is ceil(input / stride) (config/layers_conv.py's same_padding).
+ConvolutionMode = Literal["truncate", "same"]
 # DL4J's GradientNormalization enum (its names match in any spelling: "ClipL2PerLayer").
 GradientNormalization = Literal[
     "none",
@@ -80,6 +83,22 @@ def _check_positive(layer, where: str, *names: str) -> None:
 def _check_l2(layer, where: str) -> None:
     if layer.l2 is not None and layer.l2 < 0:
         raise ConfigError(join(where, "l2"), f"must be zero or more, got {layer.l2}")
+
+
+def _check_same_mode(layer, where: str) -> None:
+    """Same mode computes its own padding from the input size: a padding beside it is refused."""
+    if layer.convolution_mode == "same" and any(p != 0 for p in _as_tuple(layer.padding)):
+        raise ConfigError(join(where, "padding"), f"must be 0 in convolution_mode 'same' (which pads "
+                                                  f"by itself), got {_show(layer.padding)}")
+
+
+def _as_tuple(value) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def same_size(size: int | None, stride: int) -> int | None:
+    """Output size of DL4J's Same mode along one axis: ceil(size / stride) (None stays None)."""
+    return None if size is None else -(-size // stride)
 
 
 def _check_non_negative(layer, where: str, *names: str) -> None:
@@ -209,16 +228,20 @@ class ConvolutionLayer(_ParamLayer):
 @Layer.register("subsampling")
 @dataclass(frozen=True)
 class SubsamplingLayer(Layer):
-    """Max or average pooling over a window (DL4J's SubsamplingLayer)."""
+    """Max or average pooling over a window (DL4J's SubsamplingLayer). ``convolution_mode``
+    "same" (DL4J's Same): output ceil(size / stride), padded as DL4J pads (the smaller half
+    before); padding never wins a maximum and an average counts the real elements only."""
 
     pooling_type: Literal["max", "avg"] = "max"
     kernel_size: Pair = (2, 2)
     stride: Pair = (2, 2)
     padding: Pair = (0, 0)
+    convolution_mode: ConvolutionMode = "truncate"
 
     def validate(self, where: str) -> None:
         _check_positive(self, where, "kernel_size", "stride")
         _check_non_negative(self, where, "padding")
+        _check_same_mode(self, where)
         for axis in range(2):
             if 2 * self.padding[axis] > self.kernel_size[axis]:
                 raise ConfigError(
@@ -229,6 +252,9 @@ class SubsamplingLayer(Layer):
 
     def output_shape(self, shape: Shape, where: str) -> Shape:
         _need_cnn(self, shape, where)
+        if self.convolution_mode == "same":
+            c, h, w = shape.dims
+            return Shape("cnn", (c, same_size(h, self.stride[0]), same_size(w, self.stride[1])))
         h, w = _window_output(self, shape, where, self.kernel_size, self.stride, self.padding, (1, 1))
         return Shape("cnn", (shape.dims[0], h, w))
 
@@ -282,10 +308,15 @@ class ActivationLayer(Layer):
 @Layer.register("global_pooling")
 @dataclass(frozen=True)
 class GlobalPoolingLayer(Layer):
-    """Pools each channel over all positions: [c, h, w] -> [c]."""
+    """Pools each channel over all positions, ``[c, h, w] -> [c]``, or each feature of a
+    sequence over its steps, ``[time, size] -> [size]`` (DL4J's GlobalPoolingLayer on RNN data:
+    a padded batch's padding is left out of the max, the mean and the sum)."""
 
+    takes_sequences: ClassVar[bool] = True
     pooling_type: Literal["max", "avg", "sum"] = "max"
 
     def output_shape(self, shape: Shape, where: str) -> Shape:
+        if shape.kind == "rnn":
+            return Shape("ff", (shape.dims[1],))
         _need_cnn(self, shape, where)
         return Shape("ff", (shape.dims[0],))

@@ -6,7 +6,8 @@ LayerNormalization, SelfAttentionLayer).
 As in ``layers.py``: every field is checked when the layer is made, ``n_in`` is inferred
 from the layer before, and a shape the layer cannot take is a ConfigError naming the layer
 and the field. Sequences are ``[time, size]`` (batch first, ``config/recurrent.py``);
-windows follow DL4J's "truncate" convolution mode. Modules: ``nn/layers_extra.py``.
+windows follow DL4J's "truncate" convolution mode, or its "same" (``convolution_mode``).
+Modules: ``nn/layers_extra.py``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import ClassVar, Literal, Optional
 
 from dl4py.config.layers import (
     Activation,
+    ConvolutionMode,
     Layer,
     Pair,
     Shape,
@@ -23,9 +25,11 @@ from dl4py.config.layers import (
     _check_l2,
     _check_non_negative,
     _check_positive,
+    _check_same_mode,
     _need_cnn,
     _ParamLayer,
     _show,
+    same_size,
 )
 from dl4py.config.recurrent import need_sequences
 from dl4py.config.schema import join
@@ -54,7 +58,8 @@ def _window_1d(shape: Shape, where: str, kernel: int, stride: int, padding: int,
 class Convolution1DLayer(_ParamLayer):
     """DL4J's ``Convolution1DLayer``: a convolution along the time axis of a sequence,
     ``[time, size] -> [time', n_out]``. ``kernel_size``, ``stride``, ``padding`` and
-    ``dilation`` are single numbers (steps)."""
+    ``dilation`` are single numbers (steps). ``convolution_mode`` "same": ceil(time / stride)
+    steps, zero-padded as DL4J's Same mode (``config/layers_conv.py``'s ``same_padding``)."""
 
     takes_sequences: ClassVar[bool] = True
     n_out: int
@@ -66,14 +71,18 @@ class Convolution1DLayer(_ParamLayer):
     weight_init: Optional[WeightInit] = None
     l2: Optional[float] = None
     has_bias: bool = True
+    convolution_mode: ConvolutionMode = "truncate"
 
     def validate(self, where: str) -> None:
         _check_positive(self, where, "n_out", "kernel_size", "stride", "dilation")
         _check_non_negative(self, where, "padding")
+        _check_same_mode(self, where)
         _check_l2(self, where)
 
     def output_shape(self, shape: Shape, where: str) -> Shape:
         need_sequences(self, shape, where)
+        if self.convolution_mode == "same":
+            return Shape("rnn", (same_size(shape.dims[0], self.stride), self.n_out))
         time = _window_1d(shape, where, self.kernel_size, self.stride, self.padding, self.dilation)
         return Shape("rnn", (time, self.n_out))
 
@@ -82,17 +91,20 @@ class Convolution1DLayer(_ParamLayer):
 @dataclass(frozen=True)
 class Subsampling1DLayer(Layer):
     """DL4J's ``Subsampling1DLayer``: max or average pooling along the time axis,
-    ``[time, size] -> [time', size]``."""
+    ``[time, size] -> [time', size]``. ``convolution_mode`` "same" as SubsamplingLayer's:
+    ceil(time / stride) steps; padding never wins a maximum, an average counts real steps."""
 
     takes_sequences: ClassVar[bool] = True
     pooling_type: Literal["max", "avg"] = "max"
     kernel_size: int = 2
     stride: int = 2
     padding: int = 0
+    convolution_mode: ConvolutionMode = "truncate"
 
     def validate(self, where: str) -> None:
         _check_positive(self, where, "kernel_size", "stride")
         _check_non_negative(self, where, "padding")
+        _check_same_mode(self, where)
         if 2 * self.padding > self.kernel_size:
             raise ConfigError(
                 join(where, "padding"),
@@ -101,6 +113,8 @@ class Subsampling1DLayer(Layer):
 
     def output_shape(self, shape: Shape, where: str) -> Shape:
         need_sequences(self, shape, where)
+        if self.convolution_mode == "same":
+            return Shape("rnn", (same_size(shape.dims[0], self.stride), shape.dims[1]))
         time = _window_1d(shape, where, self.kernel_size, self.stride, self.padding, 1)
         return Shape("rnn", (time, shape.dims[1]))
 

@@ -1,5 +1,6 @@
 """Recurrent and embedding layer configurations: LSTM, GRU, LastTimeStep, RnnOutputLayer,
-EmbeddingLayer, EmbeddingSequenceLayer (DL4J's names).
+EmbeddingLayer, EmbeddingSequenceLayer (DL4J's names); DL4J's other recurrent layers are in
+``recurrent_extra.py``.
 
 Sequences are ``Shape("rnn", (time, size))``, time None for any length, and travel as
 ``[batch, time, size]`` tensors (batch first). A layer that needs sequences says so, naming
@@ -36,11 +37,17 @@ def need_sequences(layer: Layer, shape: Shape, where: str) -> None:
         )
 
 
+class SequenceRecurrent(Layer):
+    """A layer that runs over a sequence step by step, ``[time, size] -> [time, n]``: what
+    LastTimeStep may wrap (LSTM, GRU and ``recurrent_extra.py``'s layers)."""
+
+
 @dataclass(frozen=True, kw_only=True)
-class _RecurrentLayer(_ParamLayer):
-    """Fields of LSTM and GRU. ``activation`` is the cell's output activation: PyTorch's
-    (cuDNN's) kernels have tanh only, DL4J's default, so that is the one choice; the
-    network's default activation does not apply here."""
+class _RecurrentLayer(_ParamLayer, SequenceRecurrent):
+    """Fields of a one-direction recurrent layer. ``activation`` is the cell's output
+    activation, None for DL4J's default tanh (the network's default does not apply here).
+    GRU's is tanh only (PyTorch's kernels have no other); LSTM and ``recurrent_extra.py``'s
+    layers take any."""
 
     takes_sequences: ClassVar[bool] = True
     n_out: int
@@ -58,9 +65,12 @@ class _RecurrentLayer(_ParamLayer):
 @Layer.register("lstm")
 @dataclass(frozen=True, kw_only=True)
 class LSTM(_RecurrentLayer):
-    """DL4J's ``LSTM`` (no peepholes), as PyTorch's ``nn.LSTM``: cuDNN on a GPU.
+    """DL4J's ``LSTM`` (no peepholes), as PyTorch's ``nn.LSTM``: cuDNN on a GPU. Another
+    ``activation`` than tanh (DL4J allows any, e.g. ReLU) runs dl4py's own step loop
+    (``nn/recurrent_cells.py``) with the same parameters; the gates stay sigmoid.
     ``forget_gate_bias_init`` is DL4J's (1.0): the forget gate starts open."""
 
+    activation: Optional[Activation] = None
     forget_gate_bias_init: float = 1.0
 
 
@@ -83,10 +93,11 @@ class LastTimeStep(Layer):
     takes_sequences: ClassVar[bool] = True
 
     def validate(self, where: str) -> None:
-        if not isinstance(self.layer, _RecurrentLayer):
+        if not isinstance(self.layer, SequenceRecurrent):
             raise ConfigError(
                 join(where, "layer"),
-                f"must be a recurrent layer (lstm or gru), got {self.layer.type_name!r}",
+                "must be a recurrent layer (lstm, gru, graves_lstm, graves_bidirectional_lstm, "
+                f"simple_rnn or bidirectional), got {self.layer.type_name!r}",
             )
 
     def output_shape(self, shape: Shape, where: str) -> Shape:

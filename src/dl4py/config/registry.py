@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Callable
 
 # Each module below registers its layer classes in Layer.registry when it is imported.
-from dl4py.config import frozen, layers_extra, recurrent  # noqa: F401
+from dl4py.config import frozen, layers_conv, layers_extra, recurrent, recurrent_extra  # noqa: F401
 from dl4py.config.layers import Layer
 
 BUILDER = "module builder"

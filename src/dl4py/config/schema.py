@@ -233,7 +233,31 @@ def dataclass_to_dict(obj) -> dict:
     return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
 
 
-class ConfigBase:
+# A keyword the dataclass's __init__ does not take, as Python words its TypeError.
+_UNEXPECTED = re.compile(r"__init__\(\) got an unexpected keyword argument '(\w+)'")
+# DL4J's builder fields that dl4py infers, and where from.
+_INFERRED = {"n_in": "dl4py infers it from the input type and the layers before (DL4J's nIn): leave it out"}
+
+
+class _NamesUnknownFields(type):
+    """A config class called with a keyword it does not have (``ConvolutionLayer(n_in=1, ...)``, as
+    DL4J's builder is written) is one ConfigError naming the class and the field, with a
+    did-you-mean, instead of Python's bare TypeError."""
+
+    def __call__(cls, *args, **kwargs):
+        try:
+            return super().__call__(*args, **kwargs)
+        except TypeError as exc:
+            unknown = _UNEXPECTED.search(str(exc))
+            if unknown is None or not dataclasses.is_dataclass(cls):
+                raise
+            name = unknown.group(1)
+            fields = sorted(f.name for f in dataclasses.fields(cls) if f.init)
+            why = _INFERRED.get(name, f"unknown field{did_you_mean(name, fields)}; valid fields: {', '.join(fields)}")
+            raise ConfigError(f"{cls.__name__}.{name}", why) from None
+
+
+class ConfigBase(metaclass=_NamesUnknownFields):
     """Mixin for config dataclasses: typed from_dict / to_dict and validation hook."""
 
     # The path errors name when the object is built directly rather than from data

@@ -26,7 +26,7 @@ from torch.utils.data.dataloader import _InfiniteConstantSampler
 
 from dl4py.data.columns import dict_arrays
 from dl4py.data.dataset import DataSet
-from dl4py.data.iterators import DataSetIterator
+from dl4py.data.iterators import DataSetIterator, per_step_labels
 from dl4py.errors import DataError
 
 __all__ = ["BatchStreamIterator", "LoaderIterator", "BatchesIterator", "UnknownLengthError", "to_dataset"]
@@ -207,8 +207,8 @@ class BatchesIterator(BatchStreamIterator):
 
     def _epoch_batches(self, epoch: int):
         if self._one_pass and self._passes:
-            raise DataError(
-                f"the {self.name} given as data can be read once, and epoch {epoch} found it used up; "
+            raise DataError(  # epochs counted from 1, as train/numbering.py counts (dl4py.train imports data)
+                f"the {self.name} given as data can be read once, and epoch {epoch + 1} found it used up; "
                 "pass a function that returns a fresh one instead, e.g. fit(lambda: make_batches())"
             )
         self._passes += 1
@@ -249,12 +249,15 @@ def to_dataset(batch, where: str, label=None, features=None) -> DataSet:
     x, y = _tensor(batch[0], where, "features"), _tensor(batch[1], where, "labels")
     if x.dtype != torch.float32:
         x = x.to(torch.float32)
-    if not (y.is_floating_point() or y.is_complex()):
+    if per_step_labels(y, x):  # [n, time] class indices or [n, time, k] targets of sequences
+        y = y.to(torch.float32 if y.is_floating_point() else torch.int64)
+    elif not (y.is_floating_point() or y.is_complex()):
         if y.dtype != torch.int64:
             y = y.to(torch.int64)
         if y.dim() != 1:
-            raise DataError(f"{where}: class-index labels must be 1-D, got shape {tuple(y.shape)}")
-    elif y.dim() == 2:
+            raise DataError(f"{where}: class-index labels must be 1-D (or [n, time] for sequences [n, time, size]), "
+                            f"got shape {tuple(y.shape)}")
+    elif y.dim() in (2, 4):  # [n, k] targets; [n, c, h, w]: a cnn_loss layer's
         if y.dtype != torch.float32:
             y = y.to(torch.float32)
     else:

@@ -128,7 +128,9 @@ class ArrayDataSetIterator(DataSetIterator):
 
     ``features``: ``[n, ...]`` tensor or numpy array, converted once to float32.
     ``labels``: ``[n]`` integer class indices (-> int64) or ``[n, k]`` float targets
-    (-> float32). ``num_classes`` defaults to ``max(label) + 1`` for class indices.
+    (-> float32); for sequences ``[n, time, size]``, per-step labels too: ``[n, time]`` class
+    indices or ``[n, time, k]`` targets (an ``rnn_output`` layer's). ``num_classes`` defaults to
+    ``max(label) + 1`` for class indices.
 
     >>> it = ArrayDataSetIterator(np.zeros((10, 3)), np.arange(10) % 2, batch_size=4)
     >>> [b.num_examples() for b in it]
@@ -180,7 +182,7 @@ class ArrayDataSetIterator(DataSetIterator):
                 f"drop_last=True with batch_size={self.batch_size} and only {n} examples leaves no batch"
             )
 
-        self.labels, self._num_classes, self._max_label = _prepare_labels(labels, num_classes)
+        self.labels, self._num_classes, self._max_label = _prepare_labels(labels, num_classes, features)
         self.features = features.to(torch.float32).contiguous()
         self._n = n
 
@@ -237,9 +239,13 @@ class ArrayDataSetIterator(DataSetIterator):
         )
 
 
-def _prepare_labels(labels: torch.Tensor, num_classes: int | None):
+def _prepare_labels(labels: torch.Tensor, num_classes: int | None, features: torch.Tensor):
     """-> (labels, num_classes, (largest label, its row) or None for float targets)."""
     is_integer = not (labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool)
+    if per_step_labels(labels, features):  # [n, time] or [n, time, k]: one per sequence step
+        if not is_integer:
+            return labels.to(torch.float32).contiguous(), None, None
+        return _per_step_classes(labels.to(torch.int64).contiguous(), num_classes)
     if labels.dim() == 1 and is_integer:
         labels = labels.to(torch.int64).contiguous()
         # Every label is looked at here, once: the model then compares one number with its
@@ -256,19 +262,48 @@ def _prepare_labels(labels: torch.Tensor, num_classes: int | None):
             row = int((labels >= num_classes).nonzero()[0])
             raise DataError(f"labels must be < num_classes={num_classes}, got {high} (row {row})")
         return labels, num_classes, (high, top_row)
-    if labels.dim() == 2 and labels.is_floating_point():
+    if labels.dim() in (2, 4) and labels.is_floating_point():  # [n, k] targets; [n, c, h, w]: a cnn_loss layer's
         if num_classes is not None:
-            raise ValueError("num_classes applies to class-index labels only; these are 2-D float targets")
+            raise ValueError(f"num_classes applies to class-index labels only; these are {labels.dim()}-D float targets")
         return labels.to(torch.float32).contiguous(), None, None
     hint = ""
     if labels.dim() == 1 and labels.is_floating_point():
         hint = "; for a regression target use labels.reshape(-1, 1), for classes convert to an integer dtype"
     elif labels.dim() == 2:
-        hint = "; for one-hot labels pass labels.argmax(1), for regression convert to float"
+        hint = ("; for one-hot labels pass labels.argmax(1), for regression convert to float (per-step labels "
+                "[n, time] go with sequence features [n, time, size] of the same length)")
+    elif labels.dim() == 4:
+        hint = "; a cnn_loss layer takes float targets [n, channels, height, width] (one-hot for mcxent)"
     raise DataError(
         f"labels must be 1-D integer class indices or 2-D float targets, got shape "
         f"{tuple(labels.shape)} dtype {labels.dtype}{hint}"
     )
+
+
+def _per_step_classes(labels: torch.Tensor, num_classes: int | None):
+    """``_prepare_labels`` for class indices ``[n, time]``: errors name the row and the step."""
+    flat, time = labels.reshape(-1), labels.shape[1]
+    low, top = int(flat.min()), int(flat.argmax())
+    high = int(flat[top])
+    if low < 0:
+        at = int((flat < 0).nonzero()[0])
+        raise DataError(f"labels must be class indices >= 0, got {low} (row {at // time}, step {at % time})")
+    if num_classes is not None:
+        num_classes = _positive_int(num_classes, "num_classes")
+        if high >= num_classes:
+            at = int((flat >= num_classes).nonzero()[0])
+            raise DataError(f"labels must be < num_classes={num_classes}, got {high} (row {at // time}, "
+                            f"step {at % time})")
+    return labels, high + 1 if num_classes is None else num_classes, (high, top // time)
+
+
+def per_step_labels(labels: torch.Tensor, features: torch.Tensor) -> bool:
+    """Whether ``labels`` are one per step of sequence ``features`` ``[n, time, size]``: class
+    indices ``[n, time]`` or targets ``[n, time, k]``."""
+    if features.dim() != 3 or labels.dim() not in (2, 3) or labels.shape[:2] != features.shape[:2]:
+        return False
+    integer = not (labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool)
+    return labels.dim() == 2 if integer else labels.dim() == 3
 
 
 def _as_tensor(value, name: str) -> torch.Tensor:

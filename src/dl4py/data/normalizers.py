@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from dl4py.config.run import NormalizerSection
-from dl4py.data.dataset import DataSet
+from dl4py.data.adapters import as_iterator
 from dl4py.errors import DataError
 
 __all__ = [
@@ -50,7 +50,8 @@ class Normalizer:
     # -- fitting ------------------------------------------------------------------
 
     def fit(self, data) -> "Normalizer":
-        """Fit on ``data``: a DataSetIterator (one pass), a DataSet, or a features array."""
+        """Fit on ``data``: a features array, or anything ``fit`` trains on (a DataSetIterator,
+        one pass; a DataSet; an ``(x, y)`` pair; a DataFrame with ``label``-free columns ...)."""
         accumulator = self._accumulator()
         for features in _feature_batches(data):
             accumulator.add(_rows(features))
@@ -305,20 +306,18 @@ class _MinMax:
 
 
 def _feature_batches(data):
-    """The feature tensors of ``data``: an iterator's batches, a DataSet's, or one array."""
-    if isinstance(data, DataSet):
-        yield data.features
-    elif isinstance(data, (torch.Tensor, np.ndarray)):
+    """The feature tensors of ``data``: one features array, or the batches of anything ``fit``
+    trains on (a DataSetIterator, a DataSet, an ``(x, y)`` pair, a DataFrame, a DataLoader, ...);
+    its labels are not read."""
+    if isinstance(data, (torch.Tensor, np.ndarray)):
         yield torch.as_tensor(data)
-    else:
-        try:
-            batches = iter(data)
-        except TypeError:
-            raise TypeError(
-                f"fit needs a DataSetIterator, a DataSet or a features array, got {type(data).__name__}"
-            ) from None
-        for batch in batches:
-            yield batch.features
+        return
+    try:
+        iterator = as_iterator(data)  # not training: arrays are read in order
+    except DataError as exc:
+        raise DataError(f"normalizer fit: {exc}") from None
+    for batch in iterator:
+        yield batch.features
 
 
 def _rows(features: torch.Tensor) -> torch.Tensor:

@@ -137,6 +137,14 @@ def _check_preprocessor(mapping: NetworkMapping, fields: LayerFields) -> None:
         expected = (int(values.get("numChannels", -1)), int(values.get("inputHeight", -1)),
                     int(values.get("inputWidth", -1)))
         if tuple(mapping.shape.dims) != expected:
+            if fields.n_in == mapping.shape.size:
+                # The preprocessor's shape disagrees with the layers before and with this layer's
+                # own nIn, which the layers before do fill (0.8's CNN_1: its builder set nIn by
+                # hand, the preprocessor came from the input type DL4J inferred): the layers win.
+                mapping.left_out.append(f"layer {fields.index}: the input preprocessor's [channels, height, width] "
+                                        f"{list(expected)} (the layers before give {list(mapping.shape.dims)}, which "
+                                        f"is the layer's nIn {fields.n_in}: used)")
+                return
             raise fields.error(f"DL4J flattens [channels, height, width] {list(expected)} here, but the layers "
                                f"before give {list(mapping.shape.dims)}")
         return

@@ -3,10 +3,13 @@
 laid out as the real files DL4J 1.0 writes (``dl4j-integration-tests``' MLPMoon and LenetMnist).
 
 Only what ``config_json`` reads back onto the same dl4py layers is written: dense, output, RNN
-output, convolution (2-D, 1-D, transposed), subsampling (2-D, 1-D), upsampling, batch
-normalization, dropout, activation, LSTM, embeddings, global pooling and zero padding layers.
-Not yet: self-attention (no real DL4J file to copy its SameDiff JSON from). Any other dl4py layer is one DL4JFileError naming its
-index and type. DL4J needs two things dl4py infers from its input type: a
+output, convolution (2-D, 1-D, transposed), subsampling (2-D, 1-D; Same mode too), upsampling,
+batch normalization, dropout, activation, LSTM, embeddings, global pooling and zero padding
+layers here, and DL4J's own layers dl4py took for its files (peephole, simple and bidirectional
+recurrent layers, depthwise and separable convolutions, cropping, 1-D zero padding, the CNN loss
+layer) in ``layer_json_extra``; the parts they share are ``layer_json_parts``. Not yet:
+self-attention (no real DL4J file to copy its SameDiff JSON from). Any other dl4py layer is one
+DL4JFileError naming its index and type. DL4J needs two things dl4py infers from its input type: a
 ``FeedForwardToCnnPreProcessor`` where flat rows enter a convolution (``convolutional_flat``), and
 a ``CnnToFeedForwardPreProcessor`` where images enter a dense layer; both are written.
 
@@ -25,21 +28,22 @@ from dl4py.config.layers import (ActivationLayer, BatchNormalization, Convolutio
                                  GlobalPoolingLayer, OutputLayer, SubsamplingLayer)
 from dl4py.config.layers_extra import (Convolution1DLayer, Deconvolution2D, Subsampling1DLayer, Upsampling2D,
                                        ZeroPaddingLayer)
+from dl4py.config.layers_conv import CnnLossLayer, DepthwiseConvolution2D, SeparableConvolution2D
 from dl4py.config.network import NetworkConfig
 from dl4py.config.recurrent import LSTM, EmbeddingLayer, EmbeddingSequenceLayer, RnnOutputLayer
-from dl4py.config.schedules import ExponentialSchedule, PolySchedule, StepSchedule
-from dl4py.config.updaters import Adam, AdamW, Nesterovs, RmsProp, Sgd
+from dl4py.dl4j import layer_json_extra
+from dl4py.dl4j.layer_json_parts import (
+    LAYERS,
+    LOSSES,
+    NO_CUDNN_ALGORITHMS,
+    activation_json,
+    n_in,
+    pooling_json,
+    trained,
+)
 from dl4py.dl4j.ndarray import DL4JFileError
 
-_LAYERS = "org.deeplearning4j.nn.conf.layers."
 _PREPROCESSORS = "org.deeplearning4j.nn.conf.preprocessor."
-_ACTIVATIONS = {"identity": "ActivationIdentity", "relu": "ActivationReLU", "leakyrelu": "ActivationLReLU",
-                "tanh": "ActivationTanH", "sigmoid": "ActivationSigmoid", "softmax": "ActivationSoftmax"}
-_LOSSES = {"mcxent": "LossMCXENT", "negativeloglikelihood": "LossNegativeLogLikelihood", "mse": "LossMSE",
-           "xent": "LossBinaryXENT"}
-_WEIGHT_INITS = {"xavier": "WeightInitXavier", "relu": "WeightInitRelu", "normal": "WeightInitNormal",
-                 "uniform": "WeightInitUniform", "zero": "WeightInitConstant"}
-_NO_CUDNN_ALGORITHMS = {"cudnnBwdDataAlgo": None, "cudnnBwdFilterAlgo": None, "cudnnFwdAlgo": None}
 _DATA_TYPES = {"float": "FLOAT", "double": "DOUBLE", "half": "HALF"}
 
 
@@ -74,6 +78,9 @@ def configuration_json(config: NetworkConfig, precision: str, counters: tuple[in
 def _variables(layer) -> list[str]:
     """DL4J's parameter keys of the layer, in the order its initializer adds them (conv too: W,
     b, though b comes first in the flat vector)."""
+    extra = layer_json_extra.variables(layer)
+    if extra is not None:
+        return extra
     if isinstance(layer, BatchNormalization):
         return ["gamma", "beta", "mean", "var"]
     if isinstance(layer, LSTM):
@@ -88,12 +95,13 @@ def _variables(layer) -> list[str]:
 
 def _preprocessor(config: NetworkConfig, index: int, layer, shape) -> dict | None:
     convolutional = isinstance(layer, (ConvolutionLayer, SubsamplingLayer, BatchNormalization, ZeroPaddingLayer,
-                                       GlobalPoolingLayer, Deconvolution2D, Upsampling2D))
+                                       GlobalPoolingLayer, Deconvolution2D, Upsampling2D, DepthwiseConvolution2D,
+                                       SeparableConvolution2D))
     if index == 0 and isinstance(config.input_type, ConvolutionalFlat) and convolutional:
         kind = config.input_type
         return {"@class": _PREPROCESSORS + "FeedForwardToCnnPreProcessor", "inputHeight": kind.height,
                 "inputWidth": kind.width, "numChannels": kind.channels}
-    if shape.kind == "cnn" and isinstance(layer, DenseLayer) and index > 0:
+    if shape.kind == "cnn" and isinstance(layer, DenseLayer) and not isinstance(layer, CnnLossLayer) and index > 0:
         channels, height, width = shape.dims
         return {"@class": _PREPROCESSORS + "CnnToFeedForwardPreProcessor", "inputHeight": height,
                 "inputWidth": width, "numChannels": channels}
@@ -106,93 +114,20 @@ def _layer(config: NetworkConfig, index: int, layer, shape, where: str) -> dict:
                                    f"{getattr(layer, 'type_name', None)!r}): dl4py does not write it as a DL4J "
                                    "layer (no DL4J counterpart, or not written yet); nothing was written")
     java, fields = _WRITERS[type(layer)](config, layer, shape)
-    return {"@class": _LAYERS + java, "layerName": f"layer{index}", **fields}
-
-
-# ---- the parts every layer with parameters has -------------------------------------------------
-
-def _trained(config: NetworkConfig, layer, l2: float | None = None) -> dict:
-    """Updater, regularization, weight init, gradient normalization: DL4J's BaseLayer fields."""
-    l2 = getattr(layer, "l2", None) if l2 is None else l2
-    l2 = config.l2 if l2 is None else l2
-    normalization = getattr(layer, "gradient_normalization", None) or config.gradient_normalization
-    threshold = getattr(layer, "gradient_normalization_threshold", None) or config.gradient_normalization_threshold
-    regularization = [{"@class": "org.nd4j.linalg.learning.regularization.L2Regularization",
-                       "l2": {"@class": "org.nd4j.linalg.schedule.FixedSchedule", "value": l2}}] if l2 else []
-    weight_init = getattr(layer, "weight_init", None) or config.weight_init
-    return {"biasInit": 0.0, "biasUpdater": None, "constraints": None, "gainInit": 1.0,
-            "gradientNormalization": _normalization_name(normalization),
-            "gradientNormalizationThreshold": threshold, "idropout": None,
-            "iupdater": updater_json(config.updater), "regularization": regularization, "regularizationBias": [],
-            "weightInitFn": {"@class": "org.deeplearning4j.nn.weights." + _WEIGHT_INITS.get(weight_init,
-                                                                                            "WeightInitXavier")},
-            "weightNoise": None}
-
-
-def _normalization_name(name: str) -> str:
-    """dl4py's gradient normalization names are DL4J's enum names (``none`` -> ``None``)."""
-    return "None" if str(name).lower() == "none" else str(name)
-
-
-def _activation(config: NetworkConfig, layer, default: str | None = None) -> dict:
-    name = getattr(layer, "activation", None) or default or config.activation
-    java = _ACTIVATIONS[name]
-    out = {"@class": "org.nd4j.linalg.activations.impl." + java}
-    if name == "leakyrelu":
-        out["alpha"] = 0.01
-    if name == "relu":  # DL4J 1.0's plain ReLU writes its unset options
-        out.update(max=None, negativeSlope=None, threshold=None)
-    return out
-
-
-def updater_json(updater) -> dict:
-    """dl4py's updater as DL4J's ``iupdater`` object (AdamW: DL4J's Adam has no decoupled decay)."""
-    rate = {"learningRate": updater.learning_rate}
-    if updater.schedule is not None:
-        rate["learningRateSchedule"] = _schedule_json(updater.schedule, updater.learning_rate)
-    config = "org.nd4j.linalg.learning.config."
-    if isinstance(updater, AdamW):
-        raise DL4JFileError("save_dl4j", "updater AdamW: DL4J's Adam has no decoupled weight decay (DL4J's "
-                                         "AdamW-like setting is WeightDecay regularization, not written)")
-    if isinstance(updater, Adam):
-        return {"@class": config + "Adam", **rate, "beta1": updater.beta1, "beta2": updater.beta2,
-                "epsilon": updater.epsilon}
-    if isinstance(updater, Nesterovs):
-        return {"@class": config + "Nesterovs", **rate, "momentum": updater.momentum}
-    if isinstance(updater, RmsProp):
-        return {"@class": config + "RmsProp", **rate, "rmsDecay": updater.rms_decay, "epsilon": updater.epsilon}
-    if isinstance(updater, Sgd):
-        return {"@class": config + "Sgd", **rate}
-    raise DL4JFileError("save_dl4j", f"updater {type(updater).__name__}: no DL4J counterpart written")
-
-
-def _schedule_json(schedule, initial: float) -> dict:
-    base = {"scheduleType": schedule.unit.upper(), "initialValue": initial}
-    prefix = "org.nd4j.linalg.schedule."
-    if isinstance(schedule, ExponentialSchedule):
-        return {"@class": prefix + "ExponentialSchedule", **base, "gamma": schedule.gamma}
-    if isinstance(schedule, StepSchedule):
-        return {"@class": prefix + "StepSchedule", **base, "decayRate": schedule.decay_rate, "step": schedule.step}
-    if isinstance(schedule, PolySchedule):
-        return {"@class": prefix + "PolySchedule", **base, "power": schedule.power, "maxIter": schedule.max_steps}
-    raise DL4JFileError("save_dl4j", f"learning-rate schedule {type(schedule).__name__}: DL4J has none like it")
+    return {"@class": LAYERS + java, "layerName": f"layer{index}", **fields}
 
 
 # ---- the layers --------------------------------------------------------------------------------
 
-def _n_in(shape) -> int:
-    return shape.dims[-1] if shape.kind == "rnn" else (shape.dims[0] if shape.kind == "cnn" else shape.size)
-
-
 def _dense(config, layer, shape):
     java = {DenseLayer: "DenseLayer", OutputLayer: "OutputLayer", RnnOutputLayer: "RnnOutputLayer"}[type(layer)]
     n_in = shape.size if shape.kind != "rnn" else shape.dims[-1]
-    fields = {"activationFn": _activation(config, layer), **_trained(config, layer), "hasBias": layer.has_bias,
+    fields = {"activationFn": activation_json(config, layer), **trained(config, layer), "hasBias": layer.has_bias,
               "nin": n_in, "nout": layer.n_out}
     if java == "DenseLayer":
         fields["hasLayerNorm"] = False
     else:
-        fields["lossFn"] = {"@class": "org.nd4j.linalg.lossfunctions.impl." + _LOSSES[layer.loss]}
+        fields["lossFn"] = {"@class": "org.nd4j.linalg.lossfunctions.impl." + LOSSES[layer.loss]}
         if layer.loss in ("mcxent", "negativeloglikelihood"):
             fields["lossFn"]["softmaxClipEps"] = 1e-10  # DL4J's default, as its files write it
     return java, fields
@@ -200,10 +135,10 @@ def _dense(config, layer, shape):
 
 def _convolution(config, layer, shape):
     return "ConvolutionLayer", {
-        "activationFn": _activation(config, layer), **_trained(config, layer), "convolutionMode": "Truncate",
-        "cudnnAlgoMode": "PREFER_FASTEST", "cudnnAllowFallback": True, **_NO_CUDNN_ALGORITHMS,
+        "activationFn": activation_json(config, layer), **trained(config, layer), "convolutionMode": "Truncate",
+        "cudnnAlgoMode": "PREFER_FASTEST", "cudnnAllowFallback": True, **NO_CUDNN_ALGORITHMS,
         "dilation": list(layer.dilation),
-        "hasBias": layer.has_bias, "kernelSize": list(layer.kernel_size), "nin": _n_in(shape), "nout": layer.n_out,
+        "hasBias": layer.has_bias, "kernelSize": list(layer.kernel_size), "nin": n_in(shape), "nout": layer.n_out,
         "padding": list(layer.padding), "stride": list(layer.stride)}
 
 
@@ -215,16 +150,17 @@ def _deconvolution(config, layer, shape):
 def _convolution_1d(config, layer, shape):
     """DL4J's 1-D layers are 2-D ones over [time, 1]: each size is [x, 1] (padding [p, 0]), as
     the real CNN1dCharacter file writes them."""
+    mode = "Same" if layer.convolution_mode == "same" else "Truncate"
     return "Convolution1DLayer", {
-        "activationFn": _activation(config, layer), **_trained(config, layer), "convolutionMode": "Truncate",
-        "cudnnAlgoMode": "PREFER_FASTEST", "cudnnAllowFallback": True, **_NO_CUDNN_ALGORITHMS,
+        "activationFn": activation_json(config, layer), **trained(config, layer), "convolutionMode": mode,
+        "cudnnAlgoMode": "PREFER_FASTEST", "cudnnAllowFallback": True, **NO_CUDNN_ALGORITHMS,
         "dilation": [layer.dilation, 1],
-        "hasBias": layer.has_bias, "kernelSize": [layer.kernel_size, 1], "nin": _n_in(shape), "nout": layer.n_out,
+        "hasBias": layer.has_bias, "kernelSize": [layer.kernel_size, 1], "nin": n_in(shape), "nout": layer.n_out,
         "padding": [layer.padding, 0], "stride": [layer.stride, 1]}
 
 
 def _subsampling_1d(config, layer, shape):
-    return "Subsampling1DLayer", _pooling(layer, [layer.kernel_size, 1], [layer.stride, 1], [layer.padding, 0])
+    return "Subsampling1DLayer", pooling_json(layer, [layer.kernel_size, 1], [layer.stride, 1], [layer.padding, 0])
 
 
 def _upsampling(config, layer, shape):
@@ -232,20 +168,12 @@ def _upsampling(config, layer, shape):
 
 
 def _subsampling(config, layer, shape):
-    return "SubsamplingLayer", _pooling(layer, list(layer.kernel_size), list(layer.stride), list(layer.padding))
-
-
-def _pooling(layer, kernel: list, stride: list, padding: list) -> dict:
-    """A pooling layer's fields; dl4py's average pooling counts the padding in its divisor."""
-    return {"avgPoolIncludePadInDivisor": layer.pooling_type == "avg", "constraints": None, "convolutionMode": "Truncate",
-            "cudnnAllowFallback": True, "dilation": [1, 1], "eps": 1e-8, "gradientNormalization": "None",
-            "gradientNormalizationThreshold": 0.0, "idropout": None, "kernelSize": kernel, "padding": padding,
-            "pnorm": 0, "poolingType": layer.pooling_type.upper(), "stride": stride}
+    return "SubsamplingLayer", pooling_json(layer, list(layer.kernel_size), list(layer.stride), list(layer.padding))
 
 
 def _batch_normalization(config, layer, shape):
-    n = _n_in(shape)
-    fields = _trained(config, layer, l2=0.0)  # dl4py's batch normalization has no L2 on gamma and beta
+    n = n_in(shape)
+    fields = trained(config, layer, l2=0.0)  # dl4py's batch normalization has no L2 on gamma and beta
     fields.pop("weightInitFn")
     return "BatchNormalization", {
         "activationFn": {"@class": "org.nd4j.linalg.activations.impl.ActivationIdentity"}, **fields,
@@ -253,17 +181,9 @@ def _batch_normalization(config, layer, shape):
         "isMinibatch": True, "lockGammaBeta": False, "nin": n, "nout": n, "useLogStd": False}
 
 
-def _lstm(config, layer, shape):
-    return "LSTM", {
-        "activationFn": {"@class": "org.nd4j.linalg.activations.impl.ActivationTanH"}, **_trained(config, layer),
-        "forgetGateBiasInit": layer.forget_gate_bias_init,
-        "gateActivationFn": {"@class": "org.nd4j.linalg.activations.impl.ActivationSigmoid"},
-        "helperAllowFallback": True, "nin": _n_in(shape), "nout": layer.n_out}
-
-
 def _embedding(config, layer, shape):
     java = "EmbeddingSequenceLayer" if isinstance(layer, EmbeddingSequenceLayer) else "EmbeddingLayer"
-    fields = {"activationFn": _activation(config, layer, "identity"), **_trained(config, layer),
+    fields = {"activationFn": activation_json(config, layer, "identity"), **trained(config, layer),
               "hasBias": False, "nin": layer.vocab_size, "nout": layer.n_out}
     if java == "EmbeddingSequenceLayer":
         fields.update(inferInputLength=True, inputLength=1)
@@ -277,7 +197,7 @@ def _dropout(config, layer, shape):
 
 
 def _activation_layer(config, layer, shape):
-    return "ActivationLayer", {"activationFn": _activation(config, layer), "constraints": None, "idropout": None}
+    return "ActivationLayer", {"activationFn": activation_json(config, layer), "constraints": None, "idropout": None}
 
 
 def _global_pooling(config, layer, shape):
@@ -291,9 +211,10 @@ def _zero_padding(config, layer, shape):
 
 _WRITERS = {
     DenseLayer: _dense, OutputLayer: _dense, RnnOutputLayer: _dense, ConvolutionLayer: _convolution,
-    SubsamplingLayer: _subsampling, BatchNormalization: _batch_normalization, LSTM: _lstm,
+    SubsamplingLayer: _subsampling, BatchNormalization: _batch_normalization, LSTM: layer_json_extra.recurrent_json,
     EmbeddingLayer: _embedding, EmbeddingSequenceLayer: _embedding, DropoutLayer: _dropout,
     ActivationLayer: _activation_layer, GlobalPoolingLayer: _global_pooling, ZeroPaddingLayer: _zero_padding,
     Deconvolution2D: _deconvolution, Convolution1DLayer: _convolution_1d, Subsampling1DLayer: _subsampling_1d,
     Upsampling2D: _upsampling,
 }
+_WRITERS.update(layer_json_extra.WRITERS)

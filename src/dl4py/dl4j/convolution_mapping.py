@@ -1,29 +1,39 @@
-"""DL4J's convolutional layers mapped onto dl4py's: 2-D convolution and pooling with DL4J's
-convolution modes (``Same`` padding that splits unevenly becomes a ZeroPaddingLayer before the
-convolution), transposed 2-D convolution, 1-D convolution and pooling over sequences, global
-pooling, zero padding and upsampling.
+"""DL4J's convolutional layers mapped onto dl4py's: 2-D convolution (plain, depthwise, separable)
+and pooling with DL4J's convolution modes, transposed 2-D convolution, 1-D convolution and pooling
+over sequences, global pooling, zero padding and cropping (2-D and 1-D), upsampling and the CNN
+loss layer.
 
 DL4J's ``Same`` mode: the output is ``ceil(in / stride)``, the padding that takes is split with
 the smaller half on the top and left (``ConvolutionUtils.getSameModeTopLeftPadding``); ``Truncate``
-and ``Strict`` take the file's padding. DL4J's 1-D layers are its 2-D ones over ``[time, 1]``:
-only the first value of ``kernelSize``, ``stride``, ``padding`` and ``dilation`` counts (the
-second is the unit width's, and DL4J leaves whatever a builder put there). dl4py has no 1-D
-zero padding, so 1-D Same mode maps where it pads both ends alike (stride 1, an odd window),
-and ``Causal`` mode (all padding before the sequence) is refused. A transposed convolution's
-Same mode (output ``in * stride``; libnd4j's ``deconv2d`` pads ``(span - stride) / 2``, rounded
-down, on the top and left, and crops the rest from the bottom and right) maps where that
+and ``Strict`` take the file's padding. A convolution's uneven Same padding becomes a
+ZeroPaddingLayer before it (zeros are what its own padding would be); pooling and 1-D windows
+take dl4py's ``convolution_mode="same"``, which pads the same way at run time (a sequence's padding
+depends on its length) and never lets the padding win a max or count in an average. DL4J's 1-D
+layers are its 2-D ones over ``[time, 1]``: only the first value of ``kernelSize``, ``stride``,
+``padding`` and ``dilation`` counts (the second is the unit width's, and DL4J leaves whatever a
+builder put there). ``Causal`` mode (all padding before the sequence) is refused. A transposed
+convolution's Same mode (output ``in * stride``; libnd4j's ``deconv2d`` pads ``(span - stride) / 2``,
+rounded down, on the top and left, and crops the rest from the bottom and right) maps where that
 cropping is even. dl4py's convolutions take NCHW (channels first): the data-format check is
 ``layer_mapping``'s, for every layer.
 """
 
 from __future__ import annotations
 
-from dl4py.config.layers import ConvolutionLayer, GlobalPoolingLayer, SubsamplingLayer
-from dl4py.config.layers_extra import (
+from dl4py.config import (
+    CnnLossLayer,
     Convolution1DLayer,
+    ConvolutionLayer,
+    Cropping1D,
+    Cropping2D,
     Deconvolution2D,
+    DepthwiseConvolution2D,
+    GlobalPoolingLayer,
+    SeparableConvolution2D,
     Subsampling1DLayer,
+    SubsamplingLayer,
     Upsampling2D,
+    ZeroPadding1DLayer,
     ZeroPaddingLayer,
 )
 from dl4py.dl4j.json_dialects import LayerFields
@@ -70,24 +80,25 @@ def map_subsampling(mapping: NetworkMapping, fields: LayerFields) -> None:
     kernel, stride = fields.pair("kernelSize", (2, 2)), fields.pair("stride", (2, 2))
     if fields.pair("dilation") != (1, 1):
         raise fields.error(f"pooling dilation {fields.pair('dilation')}: dl4py's pooling has none")
-    top, left, uneven = _padding(mapping, fields, kernel, stride, (1, 1))
-    if uneven is not None:
-        raise fields.error(f"Same mode pads this pooling unevenly {list(uneven)} (top, bottom, left, right), and "
-                           "DL4J leaves the padding out of the window: dl4py's pooling pads evenly only")
-    if pooling == "avg" and (top or left) and not fields.get("avgPoolIncludePadInDivisor", False):
-        raise fields.error("average pooling with padding that DL4J leaves out of the divisor: dl4py's average "
-                           "pooling counts the padding")
-    mapping.add_with_dropout(fields, SubsamplingLayer(pooling_type=pooling, kernel_size=kernel, stride=stride,
-                                                        padding=(top, left)), None)
+    if _mode(fields) == "same":  # the padding out of the window (max) and of the divisor (avg), as DL4J
+        _check_same_mode_average(fields, pooling)
+        layer = SubsamplingLayer(pooling_type=pooling, kernel_size=kernel, stride=stride, convolution_mode="same")
+    else:
+        top, left = fields.pair("padding", (0, 0))
+        if pooling == "avg" and (top or left) and not fields.get("avgPoolIncludePadInDivisor", False):
+            raise fields.error("average pooling with padding that DL4J leaves out of the divisor: dl4py's average "
+                               "pooling counts the padding")
+        layer = SubsamplingLayer(pooling_type=pooling, kernel_size=kernel, stride=stride, padding=(top, left))
+    mapping.add_with_dropout(fields, layer, None)
 
 
 
 def map_global_pooling(mapping: NetworkMapping, fields: LayerFields) -> None:
     pooling = str(fields.get("poolingType", "MAX")).lower()
     collapsed = fields.get("collapseDimensions", True) is not False
-    if pooling not in ("max", "avg", "sum") or mapping.shape.kind != "cnn" or not collapsed:
+    if pooling not in ("max", "avg", "sum") or mapping.shape.kind not in ("cnn", "rnn") or not collapsed:
         raise fields.error(f"global {pooling} pooling over {mapping.shape.kind} input: dl4py pools convolutional "
-                           "input (max, avg or sum) to one value per channel")
+                           "input to one value per channel, and sequences to one per feature (max, avg or sum)")
     mapping.add_with_dropout(fields, GlobalPoolingLayer(pooling_type=pooling), None)
 
 
@@ -125,11 +136,10 @@ def map_deconvolution(mapping: NetworkMapping, fields: LayerFields) -> None:
 
 def map_convolution_1d(mapping: NetworkMapping, fields: LayerFields) -> None:
     kernel, stride, dilation = (fields.pair(key)[0] for key in ("kernelSize", "stride", "dilation"))
-    padding = _padding_1d(fields, kernel, stride, dilation)
-    layer = Convolution1DLayer(n_out=fields.n_out, kernel_size=kernel, stride=stride, padding=padding,
-                               dilation=dilation, activation=fields.activation(),
-                               has_bias=bool(fields.get("hasBias", True)), l2=mapping.l2(fields),
-                               **mapping.common(fields))
+    window = _window_1d(fields, kernel, stride, dilation)
+    layer = Convolution1DLayer(n_out=fields.n_out, kernel_size=kernel, stride=stride, dilation=dilation,
+                               activation=fields.activation(), has_bias=bool(fields.get("hasBias", True)),
+                               l2=mapping.l2(fields), **window, **mapping.common(fields))
     mapping.add_with_dropout(fields, layer, "op.op")  # dl4py's window module holds the nn.Conv1d
 
 
@@ -140,31 +150,92 @@ def map_subsampling_1d(mapping: NetworkMapping, fields: LayerFields) -> None:
     kernel, stride = fields.pair("kernelSize", (2, 2))[0], fields.pair("stride", (2, 2))[0]
     if fields.pair("dilation")[0] != 1:
         raise fields.error(f"pooling dilation {fields.pair('dilation')[0]}: dl4py's pooling has none")
-    padding = _padding_1d(fields, kernel, stride, 1)
-    if pooling == "avg" and padding and not fields.get("avgPoolIncludePadInDivisor", False):
-        raise fields.error("average pooling with padding that DL4J leaves out of the divisor: dl4py's average "
-                           "pooling counts the padding")
-    layer = Subsampling1DLayer(pooling_type=pooling, kernel_size=kernel, stride=stride, padding=padding)
+    if _mode(fields) == "same":  # the padding out of the window (max) and of the divisor (avg), as DL4J
+        _check_same_mode_average(fields, pooling)
+        window = {"convolution_mode": "same"}
+    else:
+        window = _window_1d(fields, kernel, stride, 1)
+        if pooling == "avg" and window["padding"] and not fields.get("avgPoolIncludePadInDivisor", False):
+            raise fields.error("average pooling with padding that DL4J leaves out of the divisor: dl4py's average "
+                               "pooling counts the padding")
+    layer = Subsampling1DLayer(pooling_type=pooling, kernel_size=kernel, stride=stride, **window)
     mapping.add_with_dropout(fields, layer, None)
+
+
+def _check_same_mode_average(fields: LayerFields, pooling: str) -> None:
+    """dl4py's Same-mode average divides by the real elements only, DL4J's default; a file that
+    counts the padding in the divisor computes something else."""
+    if pooling == "avg" and fields.get("avgPoolIncludePadInDivisor", False):
+        raise fields.error("Same-mode average pooling that counts the padding in its divisor "
+                           "(avgPoolIncludePadInDivisor): dl4py's Same mode divides by the real elements only")
 
 
 def _mode(fields: LayerFields) -> str:
     return str(fields.get("convolutionMode", "Truncate")).lower()
 
 
-def _padding_1d(fields: LayerFields, kernel: int, stride: int, dilation: int) -> int:
-    """The steps a 1-D window pads each end with (see the module docstring)."""
+def _window_1d(fields: LayerFields, kernel: int, stride: int, dilation: int) -> dict:
+    """A 1-D window's padding: ``{"padding": steps}`` at each end, or ``{"convolution_mode": "same"}``
+    where DL4J's Same mode pads unevenly or by the sequence's length (stride above 1); a fixed
+    even padding keeps masked batches possible."""
     mode = _mode(fields)
     if mode == "causal":
         raise fields.error("Causal convolution mode pads the start of the sequence only: dl4py's 1-D windows pad "
                            "both ends alike")
     if mode != "same":
-        return fields.pair("padding", (0, 0))[0]
-    if stride != 1:  # Same mode's padding then depends on each sequence's length
-        raise fields.error(f"Same mode with stride {stride}: its padding depends on each sequence's length, and "
-                           "dl4py's 1-D windows pad by a fixed amount")
+        return {"padding": fields.pair("padding", (0, 0))[0]}
     total = (kernel - 1) * dilation  # the window's span less one
-    if total % 2:
-        raise fields.error(f"Same mode pads this sequence unevenly ({total // 2} step(s) before, "
-                           f"{total - total // 2} after): dl4py's 1-D windows pad both ends alike")
-    return total // 2
+    if stride != 1 or total % 2:
+        return {"convolution_mode": "same"}
+    return {"padding": total // 2}
+
+
+def map_depthwise_convolution(mapping: NetworkMapping, fields: LayerFields) -> None:
+    kernel, stride, dilation = fields.pair("kernelSize"), fields.pair("stride"), fields.pair("dilation")
+    padding = _padding(mapping, fields, kernel, stride, dilation)
+    layer = DepthwiseConvolution2D(depth_multiplier=fields.integer("depthMultiplier", default=1), kernel_size=kernel,
+                                   stride=stride, padding=padding[:2], dilation=dilation,
+                                   activation=fields.activation(), has_bias=bool(fields.get("hasBias", True)),
+                                   l2=mapping.l2(fields), **mapping.common(fields))
+    mapping.add_with_dropout(fields, layer, "op", None if padding[2] is None else ZeroPaddingLayer(padding=padding[2]))
+
+
+def map_separable_convolution(mapping: NetworkMapping, fields: LayerFields) -> None:
+    kernel, stride, dilation = fields.pair("kernelSize"), fields.pair("stride"), fields.pair("dilation")
+    padding = _padding(mapping, fields, kernel, stride, dilation)
+    layer = SeparableConvolution2D(n_out=fields.n_out, depth_multiplier=fields.integer("depthMultiplier", default=1),
+                                   kernel_size=kernel, stride=stride, padding=padding[:2], dilation=dilation,
+                                   activation=fields.activation(), has_bias=bool(fields.get("hasBias", True)),
+                                   l2=mapping.l2(fields), **mapping.common(fields))
+    mapping.add_with_dropout(fields, layer, "op", None if padding[2] is None else ZeroPaddingLayer(padding=padding[2]))
+
+
+def map_cropping(mapping: NetworkMapping, fields: LayerFields) -> None:
+    mapping.add_with_dropout(fields, Cropping2D(cropping=_four(fields, "cropping")), None)
+
+
+def map_cropping_1d(mapping: NetworkMapping, fields: LayerFields) -> None:
+    mapping.add_with_dropout(fields, Cropping1D(cropping=_two(fields, "cropping")), None)
+
+
+def map_zero_padding_1d(mapping: NetworkMapping, fields: LayerFields) -> None:
+    mapping.add_with_dropout(fields, ZeroPadding1DLayer(padding=_two(fields, "padding")), None)
+
+
+def map_cnn_loss(mapping: NetworkMapping, fields: LayerFields) -> None:
+    layer = CnnLossLayer(activation=fields.activation(default="identity"), loss=fields.loss())
+    mapping.add_with_dropout(fields, layer, None)
+
+
+def _four(fields: LayerFields, key: str) -> tuple[int, int, int, int]:
+    value = fields.get(key, [0, 0, 0, 0])
+    if not isinstance(value, list) or len(value) != 4:
+        raise fields.error(f"'{key}' is {value!r}, not four numbers (top, bottom, left, right)")
+    return tuple(int(v) for v in value)
+
+
+def _two(fields: LayerFields, key: str) -> tuple[int, int]:
+    value = fields.get(key, [0, 0])
+    if not isinstance(value, list) or len(value) != 2:
+        raise fields.error(f"'{key}' is {value!r}, not two numbers (before, after)")
+    return int(value[0]), int(value[1])

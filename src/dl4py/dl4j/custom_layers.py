@@ -44,6 +44,10 @@ INITIALIZERS = (
     "GravesLSTMParamInitializer",
     "GravesBidirectionalLSTMParamInitializer",
     "EmptyParamInitializer",
+    "DeconvolutionParamInitializer",
+    "SimpleRnnParamInitializer",
+    "DepthwiseConvolutionParamInitializer",
+    "SeparableConvolutionParamInitializer",
 )
 
 

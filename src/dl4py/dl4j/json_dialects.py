@@ -40,9 +40,10 @@ _WRAPPERS = {
     "centerlossoutputlayer": "CenterLossOutputLayer",
 }
 _ACTIVATIONS = {"identity": "identity", "linear": "identity", "relu": "relu", "lrelu": "leakyrelu",
-                "leakyrelu": "leakyrelu", "tanh": "tanh", "sigmoid": "sigmoid", "softmax": "softmax"}
+                "leakyrelu": "leakyrelu", "tanh": "tanh", "sigmoid": "sigmoid", "softmax": "softmax",
+                "softsign": "softsign"}
 _LOSSES = {"mcxent": "mcxent", "negativeloglikelihood": "negativeloglikelihood", "mse": "mse",
-           "squaredloss": "mse", "xent": "xent", "binaryxent": "xent"}
+           "squaredloss": "mse", "xent": "xent", "binaryxent": "xent", "mae": "mae", "meanabsoluteerror": "mae"}
 _LEAKY_ALPHA = 0.01  # dl4py's leakyrelu slope, DL4J's default
 
 
@@ -216,7 +217,7 @@ class LayerFields:
         dl4py_name = _ACTIVATIONS.get(key_name)
         if dl4py_name is None:
             raise self.error(f"activation {name} has no dl4py counterpart (dl4py has: identity, relu, leakyrelu "
-                             f"with slope {_LEAKY_ALPHA}, tanh, sigmoid, softmax)")
+                             f"with slope {_LEAKY_ALPHA}, tanh, sigmoid, softmax, softsign)")
         if dl4py_name == "leakyrelu" and number(params.get("alpha"), _LEAKY_ALPHA) != _LEAKY_ALPHA:
             raise self.error(f"leaky ReLU slope {params.get('alpha')}: dl4py's leakyrelu has slope {_LEAKY_ALPHA}")
         if dl4py_name == "relu" and any(number(params.get(k), 0.0) for k in ("max", "negativeSlope", "threshold")):
@@ -228,7 +229,7 @@ class LayerFields:
         dl4py_name = _LOSSES.get((name or "").lower().removeprefix("loss").replace("_", ""))
         if dl4py_name is None:
             raise self.error(f"loss {name} has no dl4py counterpart (dl4py has: mcxent, negativeloglikelihood, "
-                             "mse, xent)")
+                             "mse, xent, mae)")
         if params.get("weights") is not None:
             raise self.error(f"loss {name} has per-output weights, which dl4py's losses do not take")
         return dl4py_name

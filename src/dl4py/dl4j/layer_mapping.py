@@ -1,8 +1,8 @@
 """DL4J's layers mapped onto dl4py's, one at a time: ``map_layer`` picks the mapper for the
 layer's class (``MAPPERS``) or the user's registration (``custom_layers``), and the mapper adds
 the dl4py layers it becomes to the ``NetworkMapping``. Here: dense and output layers, batch
-normalization, LSTM (and LastTimeStep around it), self-attention, frozen layers, embeddings,
-dropout and activation layers; the convolutional ones are in ``convolution_mapping``.
+normalization, self-attention, frozen layers, embeddings, dropout and activation layers; the
+convolutional ones are in ``convolution_mapping``, the recurrent ones in ``recurrent_mapping``.
 
 Data formats (DL4J 1.0.0-beta7 on): every layer's channels-first fields must say NCHW, as dl4py
 computes (a channels-last file would need its weights and flattening reordered, which DL4J has
@@ -21,21 +21,28 @@ from typing import Callable
 from dl4py.config.frozen import FrozenLayer
 from dl4py.config.layers import ActivationLayer, BatchNormalization, DenseLayer, DropoutLayer, Layer, OutputLayer
 from dl4py.config.layers_extra import SelfAttentionLayer
-from dl4py.config.recurrent import LSTM, EmbeddingLayer, EmbeddingSequenceLayer, LastTimeStep, RnnOutputLayer
+from dl4py.config.recurrent import EmbeddingLayer, EmbeddingSequenceLayer, RnnOutputLayer
 from dl4py.dl4j import custom_layers
 from dl4py.dl4j.convolution_mapping import (
+    map_cnn_loss,
     map_convolution,
     map_convolution_1d,
+    map_cropping,
+    map_cropping_1d,
     map_deconvolution,
+    map_depthwise_convolution,
     map_global_pooling,
+    map_separable_convolution,
     map_subsampling,
     map_subsampling_1d,
     map_upsampling,
     map_zero_padding,
+    map_zero_padding_1d,
 )
 from dl4py.dl4j.json_dialects import LayerFields, number, wrapped_layer
 from dl4py.dl4j.mapping_state import NetworkMapping
 from dl4py.dl4j.ndarray import DL4JFileError
+from dl4py.dl4j.recurrent_mapping import map_bidirectional, map_last_time_step, map_lstm
 from dl4py.dl4j.training_settings import dropout_rate
 from dl4py.errors import ConfigError
 
@@ -118,29 +125,6 @@ def _map_batch_normalization(mapping: NetworkMapping, fields: LayerFields) -> No
         mapping.add(ActivationLayer(activation=activation), fields)
 
 
-def _lstm(fields: LayerFields, mapping: NetworkMapping) -> LSTM:
-    activation = fields.activation(default="tanh")
-    if activation != "tanh":
-        raise fields.error(f"LSTM activation {activation}: dl4py's LSTM (PyTorch's) has tanh only")
-    gate = fields.activation("gateActivationFn", default="sigmoid")
-    if gate != "sigmoid":
-        raise fields.error(f"LSTM gate activation {gate}: dl4py's LSTM gates are sigmoid")
-    mapping.l2_from_network(fields)  # dl4py's LSTM has no l2 field
-    return LSTM(n_out=fields.n_out, forget_gate_bias_init=number(fields.raw.get("forgetGateBiasInit"), 1.0),
-                **mapping.common(fields))
-
-
-def _map_lstm(mapping: NetworkMapping, fields: LayerFields) -> None:
-    mapping.add_with_dropout(fields, _lstm(fields, mapping), "op")
-
-
-def _map_last_time_step(mapping: NetworkMapping, fields: LayerFields) -> None:
-    inner = wrapped_layer(fields)
-    if inner.layer.kind != "LSTM":
-        raise inner.error(f"LastTimeStep around {inner.layer.kind}: dl4py wraps its LSTM or GRU only")
-    mapping.add_with_dropout(inner, LastTimeStep(layer=_lstm(inner, mapping)), "op.op")
-
-
 def _map_frozen(mapping: NetworkMapping, fields: LayerFields) -> None:
     inner = wrapped_layer(fields)
     if inner is fields:
@@ -194,20 +178,26 @@ MAPPERS: dict[str, Callable[[NetworkMapping, LayerFields], None]] = {
     "DenseLayer": _map_dense, "OutputLayer": _map_dense, "RnnOutputLayer": _map_dense,
     "ConvolutionLayer": map_convolution, "Convolution2D": map_convolution,
     "SubsamplingLayer": map_subsampling, "Pooling2D": map_subsampling,
-    "BatchNormalization": _map_batch_normalization, "LSTM": _map_lstm, "LastTimeStep": _map_last_time_step,
+    "BatchNormalization": _map_batch_normalization, "LSTM": map_lstm, "LastTimeStep": map_last_time_step,
+    "GravesLSTM": map_lstm, "GravesBidirectionalLSTM": map_lstm, "SimpleRnn": map_lstm,
+    "Bidirectional": map_bidirectional,
     "FrozenLayer": _map_frozen, "EmbeddingLayer": _map_embedding, "EmbeddingSequenceLayer": _map_embedding,
     "DropoutLayer": _map_dropout, "ActivationLayer": _map_activation, "GlobalPoolingLayer": map_global_pooling,
     "ZeroPaddingLayer": map_zero_padding, "Upsampling2D": map_upsampling,
     "Convolution1DLayer": map_convolution_1d, "Convolution1D": map_convolution_1d,
     "Subsampling1DLayer": map_subsampling_1d, "Pooling1D": map_subsampling_1d,
     "Deconvolution2D": map_deconvolution, "SelfAttentionLayer": _map_self_attention,
+    "DepthwiseConvolution2D": map_depthwise_convolution, "SeparableConvolution2D": map_separable_convolution,
+    "Cropping2D": map_cropping, "Cropping1D": map_cropping_1d, "ZeroPadding1DLayer": map_zero_padding_1d,
+    "CnnLossLayer": map_cnn_loss,
 }
 DENSE = {"DenseLayer", "OutputLayer", "CenterLossOutputLayer"}
 CONVOLUTIONAL = {"ConvolutionLayer", "Convolution2D", "SubsamplingLayer", "Pooling2D", "BatchNormalization",
-                 "Deconvolution2D"}
+                 "Deconvolution2D", "DepthwiseConvolution2D", "SeparableConvolution2D"}
 # Layers whose nIn, as the first layer, is the size of each step of a sequence.
 SEQUENCES = {"LSTM", "GravesLSTM", "GravesBidirectionalLSTM", "RnnOutputLayer", "SimpleRnn", "Bidirectional",
              "Convolution1DLayer", "Convolution1D", "SelfAttentionLayer"}
 NO_UPDATER = {"SubsamplingLayer", "Pooling2D", "DropoutLayer", "ActivationLayer", "GlobalPoolingLayer",
-              "ZeroPaddingLayer", "Upsampling2D", "FrozenLayer", "Subsampling1DLayer", "Pooling1D"}
+              "ZeroPaddingLayer", "Upsampling2D", "FrozenLayer", "Subsampling1DLayer", "Pooling1D", "Cropping2D",
+              "Cropping1D", "ZeroPadding1DLayer", "CnnLossLayer"}
 

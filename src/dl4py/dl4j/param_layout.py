@@ -33,6 +33,15 @@ The layouts, as DL4J's sources write them:
 - ``ConvolutionParamInitializer`` for a 1-D convolution (``Convolution1DLayer``): a 2-D one over
   ``[time, 1]``: ``b``, then ``W`` [nOut, nIn, k, 1] in C order, ``nn.Conv1d.weight`` [nOut, nIn, k]
   with the unit axis dropped (``kernelSize`` is ``[k, 1]`` in the file: only its first value counts).
+- ``DepthwiseConvolutionParamInitializer``: ``b`` [nIn * depthMultiplier] first, then ``W`` [kH, kW, nIn,
+  depthMultiplier] in C order. Output channel ``c * depthMultiplier + m`` is input channel ``c``'s
+  ``m``-th map (libnd4j's ``depthwise_conv2d``), which is a grouped ``nn.Conv2d``'s order: its weight
+  [nIn * depthMultiplier, 1, kH, kW] is W moved to [nIn, depthMultiplier, kH, kW].
+- ``SeparableConvolutionParamInitializer``: ``b`` [nOut] first, then the depthwise ``W``
+  [depthMultiplier, nIn, kH, kW] and the pointwise ``pW`` [nOut, nIn * depthMultiplier, 1, 1], both in C
+  order. The depthwise maps are ordered as above (``c * depthMultiplier + m``), so ``depthwise.weight``
+  is W moved to [nIn, depthMultiplier, kH, kW]; ``pointwise.weight`` is pW as it is, and the bias is
+  the pointwise convolution's.
 - ``DeconvolutionParamInitializer``: ``b`` first, then ``W`` [nIn, nOut, kH, kW] in C order, which
   is ``nn.ConvTranspose2d.weight`` as it is (DL4J permutes it to libnd4j's [kH, kW, nOut, nIn]).
 - ``SimpleRnnParamInitializer``: ``W`` [nIn, nOut], ``RW`` [nOut, nOut] (Fortran order), ``b``
@@ -75,6 +84,8 @@ _INITIALIZER_OF = {
     "Convolution1DLayer": "ConvolutionParamInitializer", "Convolution1D": "ConvolutionParamInitializer",
     "Deconvolution2D": "DeconvolutionParamInitializer", "SimpleRnn": "SimpleRnnParamInitializer",
     "Bidirectional": "BidirectionalParamInitializer", "SelfAttentionLayer": "SameDiffParamInitializer",
+    "DepthwiseConvolution2D": "DepthwiseConvolutionParamInitializer",
+    "SeparableConvolution2D": "SeparableConvolutionParamInitializer",
 }
 for _kind in ("SubsamplingLayer", "Pooling2D", "DropoutLayer", "ActivationLayer", "GlobalPoolingLayer",
               "ZeroPaddingLayer", "Upsampling2D", "LossLayer", "Cropping2D", "Subsampling1DLayer", "Pooling1D",
@@ -227,6 +238,38 @@ def _deconvolution(fields: LayerFields, prefix: str, names: dict) -> list:
     return slots
 
 
+def _depthwise(fields: LayerFields, prefix: str, names: dict) -> list:
+    (n_in,) = _sizes(fields, "nIn")
+    multiplier = fields.integer("depthMultiplier", default=1)
+    k_h, k_w = fields.pair("kernelSize")
+    slots = ([_vector("b", n_in * multiplier, _name(prefix, names, "b", "bias"))]
+             if fields.get("hasBias", True) else [])
+    slots.append(("W", (k_h, k_w, n_in, multiplier), "c", [_name(prefix, names, "W", "weight")],
+                  lambda seg: (_grouped(seg.reshape(k_h, k_w, n_in, multiplier).transpose(2, 3, 0, 1)),),
+                  lambda arrays: arrays[0].reshape(n_in, multiplier, k_h, k_w).transpose(2, 3, 0, 1).reshape(-1)))
+    return slots
+
+
+def _separable(fields: LayerFields, prefix: str, names: dict) -> list:
+    n_in, n_out = _sizes(fields, "nIn", "nOut")
+    multiplier = fields.integer("depthMultiplier", default=1)
+    k_h, k_w = fields.pair("kernelSize")
+    slots = ([_vector("b", n_out, _name(prefix, names, "b", "pointwise.bias"))]
+             if fields.get("hasBias", True) else [])
+    slots.append(("W", (multiplier, n_in, k_h, k_w), "c", [_name(prefix, names, "W", "depthwise.weight")],
+                  lambda seg: (_grouped(seg.reshape(multiplier, n_in, k_h, k_w).transpose(1, 0, 2, 3)),),
+                  lambda arrays: arrays[0].reshape(n_in, multiplier, k_h, k_w).transpose(1, 0, 2, 3).reshape(-1)))
+    slots.append(("pW", (n_out, n_in * multiplier, 1, 1), "c", [_name(prefix, names, "pW", "pointwise.weight")],
+                  lambda seg: (seg.reshape(n_out, n_in * multiplier, 1, 1),), lambda arrays: arrays[0].reshape(-1)))
+    return slots
+
+
+def _grouped(weights: np.ndarray) -> np.ndarray:
+    """[nIn, depthMultiplier, kH, kW] -> a grouped ``nn.Conv2d``'s [nIn * depthMultiplier, 1, kH, kW]."""
+    n_in, multiplier, k_h, k_w = weights.shape
+    return np.ascontiguousarray(weights).reshape(n_in * multiplier, 1, k_h, k_w)
+
+
 def _same_diff(fields: LayerFields, prefix: str, names: dict) -> list:
     if fields.layer.kind != "SelfAttentionLayer":
         raise fields.error("dl4py does not know how this SameDiff layer defines its parameters")
@@ -372,7 +415,10 @@ _LAYOUTS = {
     "SimpleRnnParamInitializer": _simple_rnn,
     "BidirectionalParamInitializer": _bidirectional,
     "SameDiffParamInitializer": _same_diff,
+    "DepthwiseConvolutionParamInitializer": _depthwise,
+    "SeparableConvolutionParamInitializer": _separable,
 }
 # custom_layers lists the initializers a registration may name without importing this module:
-# each of them is laid out here (the ones added since are for DL4J's own layers only, so far).
+# each of them is laid out here (Bidirectional's and SameDiff's are for DL4J's own layers only:
+# they read fields of the layer that wraps or defines them).
 assert set(custom_layers.INITIALIZERS) <= set(_LAYOUTS), "custom_layers offers an initializer param_layout lacks"

@@ -16,7 +16,7 @@ from collections import Counter
 from dl4py.config.frozen import unfrozen
 from dl4py.config.schedules import ExponentialSchedule, PolySchedule, StepSchedule
 from dl4py.config.updaters import Adam, Nesterovs, RmsProp, Sgd
-from dl4py.dl4j.json_dialects import LayerFields, number, typed
+from dl4py.dl4j.json_dialects import LayerFields, inner_layer, number, typed
 from dl4py.errors import ConfigError
 
 _WEIGHT_INITS = {"xavier": "xavier", "relu": "relu", "normal": "normal", "uniform": "uniform", "zero": "zero"}
@@ -69,6 +69,9 @@ def _schedule_value(value) -> float | None:
 
 def layer_updater(fields: LayerFields, left_out: list):
     """The layer's updater as dl4py's (None: dl4py has none like it, noted in ``left_out``)."""
+    wrapped = inner_layer(fields, "fwd") if fields.layer.kind == "Bidirectional" else None
+    if wrapped is not None:  # a Bidirectional keeps no updater of its own: its layer's is it
+        fields = wrapped
     name, params = typed(fields.raw.get("iupdater") or fields.raw.get("iUpdater"))
     if name is None and isinstance(fields.raw.get("updater"), dict):  # 1.0 SameDiff layers: the object in "updater"
         name, params = typed(fields.raw["updater"])

@@ -229,11 +229,13 @@ class ROCMultiClass:
     def num_examples(self) -> int:
         return 0 if self._rocs is None else self._rocs[0].num_examples()
 
-    def calculate_auc(self, cls: int) -> float:
-        return self.roc(cls).calculate_auc()
+    def calculate_auc(self, cls: int | None = None) -> float:
+        """Class ``cls``'s one-vs-all AUROC (DL4J's ``calculateAUC(classIdx)``)."""
+        return self.roc(_class_index(cls, "calculate_auc", "calculate_average_auc")).calculate_auc()
 
-    def calculate_auprc(self, cls: int) -> float:
-        return self.roc(cls).calculate_auprc()
+    def calculate_auprc(self, cls: int | None = None) -> float:
+        """Class ``cls``'s one-vs-all AUPRC (DL4J's ``calculateAUCPR(classIdx)``)."""
+        return self.roc(_class_index(cls, "calculate_auprc", "calculate_average_auprc")).calculate_auprc()
 
     def calculate_average_auc(self) -> float:
         return _mean([r.calculate_auc() for r in self._rocs or []])
@@ -319,3 +321,12 @@ def _mean(values: list[float]) -> float:
 
 def _finite(v: float) -> float | None:
     return v if math.isfinite(v) else None
+
+
+def _class_index(cls: int | None, method: str, average: str) -> int:
+    """``cls``, or a TypeError that says what a multi-class ROC needs (a bare ``calculate_auc()``
+    is what a binary ROC takes, and what a user of one tries first)."""
+    if cls is None:
+        raise TypeError(f"ROCMultiClass.{method} needs the class index: {method}(cls) is that class's one-vs-all "
+                        f"value; {average}() averages the classes")
+    return cls

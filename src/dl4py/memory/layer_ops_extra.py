@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from dl4py.config.network import LayerShapes
 from dl4py.config.registry import LAYERS
+from dl4py.memory.layer_ops_conv import same_pool_ops, same_window_1d_ops
 from dl4py.memory.op import Op, activation_ops, param_sizes, weight_decay
-from dl4py.memory.sequence_ops import elements
+from dl4py.memory.sequence_ops import elements, steps
 
 # Rules (config/registry.py): (layer, index, LayerShapes, defaults, device) -> its Ops, per example.
 
@@ -30,12 +31,18 @@ def _convolution1d(layer, index: int, shapes: LayerShapes, config, device: str) 
     weights = shapes.input.dims[1] * layer.n_out * layer.kernel_size
     params = param_sizes(weights, layer.n_out if layer.has_bias else 0, weight_decay(layer, config))
     conv = Op(index, "conv1d", n_out, True, False, params=params, autocast=True, upcast_on_cpu=True)
-    return [conv, _contiguous(index, n_out)] + activation_ops(index, layer.activation or config.activation, n_out)
+    pad = same_window_1d_ops(layer, index, shapes, config, n_out) if layer.convolution_mode == "same" else []
+    return pad + [conv, _contiguous(index, n_out)] + activation_ops(index, layer.activation or config.activation, n_out)
 
 
 @LAYERS.memory_rule("subsampling1d")
 def _subsampling1d(layer, index: int, shapes: LayerShapes, config, device: str) -> list[Op]:
     n_out = elements(shapes.output, config)
+    if layer.convolution_mode == "same":
+        time = shapes.input.dims[0] or steps(config)
+        pool = same_pool_ops(index, layer.pooling_type, (time,), shapes.input.dims[1], (layer.kernel_size,),
+                             (layer.stride,), n_out, "1d")
+        return pool + [_contiguous(index, n_out)]
     if layer.pooling_type == "max":  # int64 indices of each maximum, kept for backward
         return [Op(index, "max_pool1d", n_out, True, False, extra_bytes=8.0 * n_out), _contiguous(index, n_out)]
     return [Op(index, "avg_pool1d", n_out, True, False), _contiguous(index, n_out)]

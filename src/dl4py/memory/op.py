@@ -72,6 +72,12 @@ def activation_ops(layer: int, name: str, elements: int) -> list[Op]:
     """The operator of activation ``name`` in layer ``layer`` (none for the identity)."""
     if name == "identity":
         return []
+    if name == "softsign":
+        # x / (1 + |x|): three operators; the quotient keeps x and 1 + |x|, and its backward
+        # (grad / d and -grad * x / d**2) makes three temporaries of the output's size (measured)
+        return [Op(layer, "softsign_abs", elements, True, False),
+                Op(layer, "softsign_denominator", elements, False, True),
+                Op(layer, "softsign_divide", elements, True, False, backward_scratch_elements=3 * elements)]
     return [Op(layer, name, elements, name in _SAVES_INPUT, name in _SAVES_RESULT)]
 
 

@@ -23,6 +23,7 @@ import dl4py.memory.sequence_ops  # noqa: F401
 from dl4py.config.layers import Layer, Shape
 from dl4py.config.network import LayerShapes, NetworkConfig
 from dl4py.config.registry import LAYERS
+from dl4py.memory.layer_ops_conv import same_pool_ops  # also registers layers_conv's rules
 from dl4py.memory.layer_ops_extra import convolution_ops  # also registers the extra layers' rules
 from dl4py.memory.op import Op, activation_ops, param_sizes, weight_decay
 from dl4py.memory.sequence_ops import elements
@@ -87,6 +88,9 @@ def _convolution(layer, i: int, shapes: LayerShapes, config, device: str) -> lis
 @LAYERS.memory_rule("subsampling")
 def _subsampling(layer, i: int, shapes: LayerShapes, config, device: str) -> list[Op]:
     n_out = elements(shapes.output, config)
+    if layer.convolution_mode == "same":
+        c, h, w = shapes.input.dims
+        return same_pool_ops(i, layer.pooling_type, (h, w), c, layer.kernel_size, layer.stride, n_out, "2d")
     if layer.pooling_type == "max":  # int64 indices of each maximum, kept for backward
         return [Op(i, "max_pool2d", n_out, True, False, extra_bytes=8.0 * n_out)]
     return [Op(i, "avg_pool2d", n_out, True, False)]
@@ -114,6 +118,17 @@ def _activation_layer(layer, i: int, shapes: LayerShapes, config, device: str) -
 def _global_pooling(layer, i: int, shapes: LayerShapes, config, device: str) -> list[Op]:
     n_in, n_out = elements(shapes.input, config), elements(shapes.output, config)
     keeps = layer.pooling_type == "max"  # amax keeps input and result; mean/sum keep sizes
+    if shapes.input.kind == "rnn":  # with the batch's mask, as sequences come (nn/builder.GlobalPool)
+        steps = n_in // shapes.input.dims[1]
+        if keeps:  # the padding filled with -inf: a copy, which amax keeps; the fill keeps its bool mask
+            return [Op(i, "masked_fill", n_in, False, False, extra_bytes=1.0 * steps),
+                    Op(i, "global_max_pool", n_out, True, True,
+                       backward_scratch_elements=2 * n_out, backward_scratch_bytes=1.0 * n_in)]
+        # x * mask: its backward needs the mask's float copy only (the mask takes no gradient);
+        # then the sum, and the mean's divide by each sequence's length
+        ops = [Op(i, "masked_product", n_in, False, False, extra_bytes=4.0 * steps),
+               Op(i, "global_sum_pool", n_out, False, False)]
+        return ops + ([Op(i, "mean_divide", n_out, False, False, extra_bytes=4.0)] if layer.pooling_type == "avg" else [])
     # amax's backward (scale_grad_by_count): (grad / (input == result).sum()) * mask: a
     # boolean mask of the input's size, the count and the quotient beside the gradient.
     return [Op(i, f"global_{layer.pooling_type}_pool", n_out, keeps, keeps,

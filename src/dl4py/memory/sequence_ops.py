@@ -24,6 +24,13 @@ On a CPU (``device="cpu"``), as PyTorch runs them and ``LiveTensorBytes`` sees t
 
 With cuDNN (``device="cuda"``) the reserve is not yet measured: the rule there is the older
 per-step count (15h float32 values for an LSTM, 8h for a GRU, no input copy).
+
+dl4py's own step loops (GravesLSTM, SimpleRnn, an LSTM whose activation is not tanh) are the
+same operators on both devices: the time-major input copy, then ``recurrent_cell_ops``'s
+projection and steps. A Bidirectional (and GravesBidirectionalLSTM) is its forward direction,
+the input reversed in its real steps (a gather, keeping its int64 step order), the backward
+direction, its output reversed back, and the combination (``mode``); the forward direction's
+output waits for the combination.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from dl4py.config.network import LayerShapes
 from dl4py.config.registry import LAYERS
 from dl4py.errors import ConfigError
 from dl4py.memory.op import Op, param_sizes, weight_decay
+from dl4py.memory.recurrent_cell_ops import lstm_loop_ops, rnn_loop_ops
 
 
 def steps(config) -> int:
@@ -77,28 +85,60 @@ class _Cell(NamedTuple):
     cudnn_floats: int
 
 
-@LAYERS.memory_rule("lstm")
-def _lstm(layer, index: int, shapes: LayerShapes, config, device: str) -> list[Op]:
-    return _recurrent_ops(layer, index, shapes, config, device, _Cell(4, _cpu_lstm, 15))
+@LAYERS.memory_rule("lstm", "gru", "graves_lstm", "simple_rnn")
+def _recurrent(layer, index: int, shapes: LayerShapes, config, device: str) -> list[Op]:
+    time = elements(shapes.output, config) // layer.n_out
+    ops = _direction_ops(layer, index, time, shapes.input.dims[1], config, device)
+    # The result times the batch's mask (kept by the multiply): a second output. Every kernel
+    # but cuDNN's gives a time-major result.
+    return ops + [Op(index, "mask", time * layer.n_out, False, False, time_major=ops[-1].time_major)]
 
 
-@LAYERS.memory_rule("gru")
-def _gru(layer, index: int, shapes: LayerShapes, config, device: str) -> list[Op]:
-    return _recurrent_ops(layer, index, shapes, config, device, _Cell(3, _cpu_gru, 8))
+@LAYERS.memory_rule("graves_bidirectional_lstm", "bidirectional")
+def _bidirectional(layer, index: int, shapes: LayerShapes, config, device: str) -> list[Op]:
+    inner, mode = (layer.layer, layer.mode) if layer.type_name == "bidirectional" else (layer, "add")
+    size, h = shapes.input.dims[1], inner.n_out
+    time = elements(shapes.output, config) // shapes.output.dims[1]
+    forward = _direction_ops(inner, index, time, size, config, device)
+    order = 8.0 * time  # reverse_steps' int64 step order, kept by its gather
+    # The forward direction's result, held until the combination.
+    ops = forward + [Op(index, "reverse_input", time * size, False, False, extra_bytes=order + 4.0 * time * h)]
+    ops += _direction_ops(inner, index, time, size, config, device)
+    # Gather keeps its input (the backward direction's result) besides the step order.
+    ops.append(Op(index, "reverse_output", time * h, True, False, extra_bytes=order))
+    if mode == "concat":  # its backward hands on slices of the gradient
+        ops.append(Op(index, "concat", 2 * time * h, False, False, input_gradient="same"))
+    elif mode == "mul":  # each direction's result kept for the other's gradient
+        ops.append(Op(index, "mul", time * h, True, False, extra_bytes=4.0 * time * h))
+    else:
+        ops.append(Op(index, "add", time * h, False, False, input_gradient="same"))
+        if mode == "average":
+            ops.append(Op(index, "half", time * h, False, False))
+    # The combination follows the forward direction's layout (time-major); a concatenation's is new.
+    width = shapes.output.dims[1]
+    return ops + [Op(index, "mask", time * width, False, False, time_major=mode != "concat" and forward[-1].time_major)]
 
 
-def _recurrent_ops(layer, index: int, shapes: LayerShapes, config, device: str, cell: _Cell) -> list[Op]:
-    n_out = elements(shapes.output, config)
-    h, size = layer.n_out, shapes.input.dims[1]
-    time = n_out // h
-    l2, gates = weight_decay(layer, config), cell.gates
-    params = ((gates * h * size, l2), (gates * h * h, l2), (gates * h, 0.0), (gates * h, 0.0))
-    # The result times the batch's mask (kept by the multiply): a second output.
-    mask = Op(index, "mask", n_out, False, False, time_major=device == "cpu")
-    if device == "cpu":
-        return cell.cpu_rule(index, time, size, h, params) + [mask]
-    saved = 4.0 * time * cell.cudnn_floats * h
-    return [Op(index, layer.type_name, n_out, True, True, extra_bytes=saved, params=params), mask]
+def _direction_ops(layer, index: int, time: int, size: int, config, device: str) -> list[Op]:
+    """One direction of a recurrent layer, from its input to its (unmasked) result."""
+    h, l2 = layer.n_out, weight_decay(layer, config)
+    activation = layer.activation or "tanh"
+    kernel = _GRU if layer.type_name == "gru" else _LSTM if layer.type_name == "lstm" and activation == "tanh" else None
+    if kernel is not None:
+        gates = kernel.gates
+        params = ((gates * h * size, l2), (gates * h * h, l2), (gates * h, 0.0), (gates * h, 0.0))
+        if device == "cpu":
+            return kernel.cpu_rule(index, time, size, h, params)
+        saved = 4.0 * time * kernel.cudnn_floats * h
+        return [Op(index, layer.type_name, time * h, True, True, extra_bytes=saved, params=params)]
+    copy = _time_major_copy(index, time, size)
+    if layer.type_name == "simple_rnn":
+        params = ((h * size, l2), (h * h, l2), (h, 0.0), (h, 0.0))
+        return [copy] + rnn_loop_ops(index, time, size, h, params, activation, layer.type_name)
+    peepholes = layer.type_name != "lstm"
+    params = ((4 * h * size, l2), (4 * h * h, l2), (4 * h, 0.0), (4 * h, 0.0)) + ((h, l2),) * 3 * peepholes  # DL4J decays them as part of RW
+    gate = "sigmoid" if layer.type_name == "lstm" else layer.gate_activation
+    return [copy] + lstm_loop_ops(index, time, size, h, params, activation, gate, peepholes, layer.type_name)
 
 
 @LAYERS.memory_rule("embedding")
@@ -170,3 +210,7 @@ def _cpu_gru(index: int, time: int, size: int, h: int, params) -> list:
             Op(index, "gru_cells", time * h, False, False, extra_bytes=4.0 * (7 * h * time + h),
                params=(weights_hh, bias_hh), backward_scratch_elements=3 * h * time,
                stepwise_backward=True, time_major=True)]
+
+
+# The kernels PyTorch has (their CPU rules are above).
+_LSTM, _GRU = _Cell(4, _cpu_lstm, 15), _Cell(3, _cpu_gru, 8)

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from dl4py.config.layers import OutputLayer
+from dl4py.config.layers_conv import CnnLossLayer
 from dl4py.config.recurrent import RnnOutputLayer
 from dl4py.memory.operations import Op, network_ops
 from dl4py.memory.sequence_ops import steps
@@ -88,9 +89,12 @@ def chain_graph(network, device: str = "cuda") -> StepGraph:
 
 def loss_head(output: OutputLayer, node: int, config, output_shape=None) -> LossHead:
     """The scores and labels of an output layer: an index label per example (or step) for
-    the classification losses, a float32 target per score for the others. A per-step output
+    the classification losses, a float32 target per score for the others (and for a CNN loss
+    layer, whose labels are [c, h, w] like its scores). A per-step output
     has as many steps as its ``output_shape`` (a 1-D convolution or pooling may have
     shortened the sequence), the input's length where that is variable."""
+    if isinstance(output, CnnLossLayer):  # a score and a float32 target per value of [c, h, w]
+        return LossHead(node, output_shape.size, 4 * output_shape.size)
     per_step = 1
     if isinstance(output, RnnOutputLayer):
         time = output_shape.dims[0] if output_shape is not None else None

@@ -2,7 +2,7 @@
 
 Each layer type's module comes from the builder registered under its type name
 (``config/registry.py``): the builders of ``config/layers.py``'s layers are here, the
-others in ``nn/recurrent.py`` and ``nn/layers_extra.py``. Weights start as DL4J's
+others in ``nn/recurrent.py``, ``nn/layers_extra.py`` and ``nn/layers_conv.py``. Weights start as DL4J's
 (``nn/layer_init.py``). The output layer's module yields pre-activation scores; its
 activation is applied by ``output()`` and fused into the loss (``nn/output_loss.py``).
 """
@@ -14,7 +14,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-# nn/layers_extra.py registers its builders when imported, as nn/recurrent.py does.
+# nn/layers_extra.py and nn/layers_conv.py register their builders when imported, as nn/recurrent.py does.
 import dl4py.nn.layers_extra  # noqa: F401
 from dl4py.config.frozen import is_frozen
 from dl4py.config.layers import Layer, Shape
@@ -22,6 +22,7 @@ from dl4py.config.network import NetworkConfig
 from dl4py.config.registry import LAYERS
 from dl4py.nn.convolution import Conv2d
 from dl4py.nn.layer_init import ACTIVATIONS, init_weight_and_bias
+from dl4py.nn.layers_conv import SamePool2d
 from dl4py.nn.output_loss import OutputLoss  # noqa: F401  (nn/network.py and nn/graph.py take it from here)
 from dl4py.nn.recurrent import SequenceMask
 
@@ -41,16 +42,29 @@ class Reshape(nn.Module):
 
 
 class GlobalPool(nn.Module):
-    def __init__(self, pooling_type: str):
+    """Max, mean or sum over every position of an image ``[n, c, h, w] -> [n, c]``, or over the
+    steps of a sequence ``[n, time, size] -> [n, size]``; a padded batch's mask keeps its padding
+    out (DL4J's ``MaskedReductionUtil``: the max of the real steps, their mean, their sum)."""
+
+    def __init__(self, pooling_type: str, masks=None):
         super().__init__()
         self.pooling_type = pooling_type
+        self.masks = masks
 
     def forward(self, x):
+        dims = (2, 3) if x.dim() == 4 else (1,)
+        mask = self.masks.current if self.masks is not None and x.dim() == 3 else None
+        if mask is not None:
+            real = mask.bool().unsqueeze(-1)
+            if self.pooling_type == "max":
+                return torch.amax(x.masked_fill(~real, float("-inf")), dim=1)
+            total = torch.sum(x * real.to(x.dtype), dim=1)
+            return total / mask.sum(dim=1, keepdim=True).to(x.dtype) if self.pooling_type == "avg" else total
         if self.pooling_type == "max":
-            return torch.amax(x, dim=(2, 3))
+            return torch.amax(x, dim=dims)
         if self.pooling_type == "avg":
-            return torch.mean(x, dim=(2, 3))
-        return torch.sum(x, dim=(2, 3))
+            return torch.mean(x, dim=dims)
+        return torch.sum(x, dim=dims)
 
 
 class FrozenSequential(nn.Sequential):
@@ -146,6 +160,8 @@ def _convolution(layer, shape: Shape, config, gen, masks, where: str):
 
 @LAYERS.builder("subsampling")
 def _subsampling(layer, shape: Shape, config, gen, masks, where: str):
+    if layer.convolution_mode == "same":
+        return SamePool2d(layer.pooling_type, layer.kernel_size, layer.stride), None
     if layer.pooling_type == "max":
         return nn.MaxPool2d(layer.kernel_size, layer.stride, layer.padding), None
     return nn.AvgPool2d(layer.kernel_size, layer.stride, layer.padding), None
@@ -169,4 +185,4 @@ def _activation_layer(layer, shape: Shape, config, gen, masks, where: str):
 
 @LAYERS.builder("global_pooling")
 def _global_pooling(layer, shape: Shape, config, gen, masks, where: str):
-    return GlobalPool(layer.pooling_type), None
+    return GlobalPool(layer.pooling_type, masks), None

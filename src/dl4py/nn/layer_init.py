@@ -19,6 +19,7 @@ ACTIVATIONS = {
     "sigmoid": nn.Sigmoid,
     "softmax": lambda: nn.Softmax(dim=1),
     "gelu": nn.GELU,
+    "softsign": nn.Softsign,  # DL4J's: x / (1 + |x|)
 }
 
 

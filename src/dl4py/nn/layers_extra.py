@@ -16,7 +16,6 @@ Padded sequences carry the batch's mask in the model's ``SequenceMask`` (``nn/re
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -24,22 +23,25 @@ from dl4py.config.registry import LAYERS
 from dl4py.errors import DataError
 from dl4py.nn.convolution import Conv1d, ConvTranspose2d
 from dl4py.nn.layer_init import ACTIVATIONS, init_weight, init_weight_and_bias
+from dl4py.nn.layers_conv import SameConv1d, SamePool1d
 from dl4py.nn.recurrent import SequenceMask, _zero_padding
 
 
 class _SequenceWindow(nn.Module):
     """A 1-D convolution or pooling ``op`` over the time axis of ``[batch, time, size]``."""
 
-    def __init__(self, op: nn.Module, masks: SequenceMask, where: str, span: int, padding: int, fill: float = 0.0):
+    def __init__(self, op: nn.Module, masks: SequenceMask, where: str, span: int, padding: int, fill: float = 0.0,
+                 same: bool = False):
         super().__init__()
         self.op = op
         self.masks = masks
         self.where = where
         self.span, self.padding = span, padding  # steps one window covers; padding each side
         self.fill = fill  # what a padded step must look like: the op's own padding value
+        self.same = same  # DL4J's Same mode: the op pads any length to fit (nn/layers_conv.py)
 
     def forward(self, x):
-        if x.shape[1] + 2 * self.padding < self.span:  # a length the config could not check
+        if not self.same and x.shape[1] + 2 * self.padding < self.span:  # a length the config could not check
             raise DataError(
                 f"{self.where}: sequences of {x.shape[1]} steps (+{2 * self.padding} padding) are shorter "
                 f"than the kernel's span of {self.span} steps"
@@ -114,17 +116,22 @@ class SelfAttention(nn.Module):
 
 @LAYERS.builder("convolution1d")
 def _convolution1d(layer, shape, config, gen, masks: SequenceMask, where: str):
-    conv = Conv1d(shape.dims[1], layer.n_out, layer.kernel_size, layer.stride, layer.padding,
-                  layer.dilation, bias=layer.has_bias)
+    same = layer.convolution_mode == "same"
+    conv = (SameConv1d if same else Conv1d)(shape.dims[1], layer.n_out, layer.kernel_size, layer.stride,
+                                            layer.padding, layer.dilation, bias=layer.has_bias)
     init_weight_and_bias(conv, layer.weight_init or config.weight_init, gen)
     span = layer.dilation * (layer.kernel_size - 1) + 1
-    window = _SequenceWindow(conv, masks, where, span, layer.padding)
+    window = _SequenceWindow(conv, masks, where, span, layer.padding, same=same)
     return window, ACTIVATIONS[layer.activation or config.activation]()
 
 
 @LAYERS.builder("subsampling1d")
 def _subsampling1d(layer, shape, config, gen, masks: SequenceMask, where: str):
     window = (masks, where, layer.kernel_size, layer.padding)
+    if layer.convolution_mode == "same":
+        pool = SamePool1d(layer.pooling_type, layer.kernel_size, layer.stride, masks)
+        fill = float("-inf") if layer.pooling_type == "max" else 0.0
+        return _SequenceWindow(pool, *window, fill=fill, same=True), None
     if layer.pooling_type == "max":
         pool = nn.MaxPool1d(layer.kernel_size, layer.stride, layer.padding)
         return _SequenceWindow(pool, *window, fill=float("-inf")), None

@@ -467,6 +467,7 @@ class Model:
                     if loss:
                         total += self.loss(outputs, y).double() * x.shape[0]
                 count += x.shape[0]
+                y, predictions = _steps_as_examples(y, predictions, batch)
                 if evaluation is None:
                     evaluation = make(y, predictions)
                 evaluation.eval(y, predictions)
@@ -537,6 +538,22 @@ def _for_loop(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     the weights at a sharded update's peak). Equal within rounding (nn/optimizers.py)."""
     off = {key: False for key in KERNEL_KEYS if key in optimizer.defaults}
     return type(optimizer)([{**group, **off} for group in optimizer.param_groups], **{**optimizer.defaults, **off})
+
+
+def _steps_as_examples(labels: torch.Tensor, predictions: torch.Tensor, batch):
+    """Per-step outputs ``[n, time, k]`` (an rnn_output layer's) as ``[steps, k]`` with their labels,
+    the padded steps of a masked batch left out: DL4J's ``evalTimeSeries``; per-pixel outputs
+    ``[n, c, h, w]`` (a cnn_loss layer's) as ``[pixels, c]``. Other outputs as they are."""
+    if predictions.dim() == 4:
+        return (labels.movedim(1, -1).reshape(-1, labels.shape[1]),
+                predictions.movedim(1, -1).reshape(-1, predictions.shape[1]))
+    if predictions.dim() != 3:
+        return labels, predictions
+    mask = getattr(batch, "features_mask", None)
+    if mask is None:
+        return labels.reshape(-1, *labels.shape[2:]), predictions.reshape(-1, predictions.shape[2])
+    real = mask.to(predictions.device).bool()
+    return labels[real], predictions[real]
 
 
 def _data_and_epochs(x, y, epochs):

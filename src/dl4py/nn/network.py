@@ -8,6 +8,7 @@ from dl4py.backend import Backend, Precision
 from dl4py.backend.cuda_environment import environment
 from dl4py.config.network import NetworkConfig
 from dl4py.errors import DataError
+from dl4py.config.layers_conv import CnnLossLayer
 from dl4py.config.recurrent import RnnOutputLayer
 from dl4py.nn.builder import OutputLoss, build_module
 from dl4py.nn.model import Model
@@ -78,8 +79,16 @@ class MultiLayerNetwork(Model):
     def check_features(self, features: torch.Tensor, where: str) -> None:
         check_features_for(self.config.input_type, features, where)
 
+    def save_dl4j(self, path) -> None:
+        """Write this network as a DL4J ModelSerializer zip (``dl4py.dl4j.save_dl4j``): its
+        configuration, parameters, updater state and normalizer, for a Java serving stack or
+        ``dl4py.import_dl4j``. One DL4JFileError, with nothing written, for what DL4J cannot hold."""
+        from dl4py.dl4j.writer import save_dl4j  # cycle: dl4py.dl4j.writer imports this module
+
+        save_dl4j(self, path)
+
     def check_labels(self, labels: torch.Tensor, where: str) -> None:
-        check_labels_for(self.config.layers[-1], labels, where)
+        check_labels_for(self.config.layers[-1], labels, where, self._shapes[-1].output)
 
     def check_data(self, iterator) -> None:
         check_data_for(iterator, self.n_out, f"network.layers[{len(self.config.layers) - 1}].n_out")
@@ -103,8 +112,16 @@ def check_features_for(input_type, features: torch.Tensor, where: str) -> None:
         )
 
 
-def check_labels_for(output, labels: torch.Tensor, where: str) -> None:
-    """DataError when ``labels`` do not fit the output layer ``output``."""
+def check_labels_for(output, labels: torch.Tensor, where: str, output_shape=None) -> None:
+    """DataError when ``labels`` do not fit the output layer ``output`` (of ``output_shape``,
+    where the layer's own fields do not say it: a CNN loss layer's)."""
+    if isinstance(output, CnnLossLayer):
+        expected = [labels.shape[0], *output_shape.dims] if output_shape is not None else None
+        if not labels.is_floating_point() or labels.dim() != 4 or (expected and list(labels.shape) != expected):
+            shown = "[n, channels, height, width]" if expected is None else str(expected)
+            raise DataError(f"{where}: labels have shape {list(labels.shape)} ({labels.dtype}) but cnn_loss needs "
+                            f"float targets {shown}, the output's shape (one-hot over the channels for mcxent)")
+        return
     n_out = output.n_out
     if isinstance(output, RnnOutputLayer):  # per step: [n, time] or [n, time, k]
         if labels.dim() == 3 and labels.shape[2] == n_out:

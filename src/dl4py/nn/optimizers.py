@@ -39,8 +39,9 @@ def param_groups(config: NetworkConfig, module: nn.Sequential) -> list[dict]:
         for name, param in layer_module.named_parameters():
             if not param.requires_grad:  # a FrozenLayer's: no updater state, no L2
                 continue
-            # "weight", and a recurrent layer's "weight_ih_l0" / "weight_hh_l0"; never a bias.
-            is_weight = (name.rsplit(".", 1)[-1].startswith("weight")
+            # "weight", a recurrent layer's "weight_ih_l0" / "weight_hh_l0", and a peephole LSTM's
+            # "peephole_*" (DL4J keeps them in the recurrent weights RW, which its L2 reaches); never a bias.
+            is_weight = (name.rsplit(".", 1)[-1].startswith(("weight", "peephole"))
                          and not isinstance(layer, (BatchNormalization, LayerNormalization)))
             groups.setdefault(l2 if is_weight else 0.0, []).append(param)
     return [{"params": params, "weight_decay": l2} for l2, params in groups.items()]

@@ -7,7 +7,11 @@ its modules and loss share, before the forward pass:
 
 - LSTM/GRU run over the whole padded batch (one cuDNN call, no packing): they run forward
   in time, so padding at the end cannot reach a real step; their outputs at padded steps
-  are zeroed, as DL4J does, so the next layer sees nothing of the padding either;
+  are zeroed, as DL4J does, so the next layer sees nothing of the padding either; so do
+  the step loops of ``nn/recurrent_cells.py`` (GravesLSTM, SimpleRnn, a non-tanh LSTM);
+- a Bidirectional (and GravesBidirectionalLSTM) runs its backward direction over each
+  sequence reversed in its real steps (``reverse_steps``): it starts at the last real step
+  from zero states, as DL4J's masked reverse pass does;
 - LastTimeStep takes each sequence's last real step;
 - RnnOutputLayer's loss is the mean over real steps only.
 
@@ -26,6 +30,7 @@ from dl4py.errors import DataError
 from dl4py.nn.convolution import cpu_autocast_upcasts
 from dl4py.nn.layer_init import ACTIVATIONS, init_weight
 from dl4py.nn.output_loss import OutputLoss
+from dl4py.nn.recurrent_cells import KernelGRU, KernelLSTM, LoopLSTM, LoopRnn, init_cell
 
 
 class SequenceMask:
@@ -53,6 +58,49 @@ class RecurrentOp(nn.Module):
         else:
             out, _ = self.rnn(x)
         return _zero_padding(out, self.masks.current)
+
+
+class BidirectionalOp(nn.Module):
+    """DL4J's Bidirectional: ``rnn`` (both directions' parameters, ``recurrent_cells``) runs
+    forward over ``x`` and backward over each sequence's real steps; ``mode`` combines them."""
+
+    def __init__(self, rnn: nn.Module, mode: str, masks: SequenceMask):
+        super().__init__()
+        self.rnn = rnn
+        self.mode = mode
+        self.masks = masks
+
+    def forward(self, x):
+        mask = self.masks.current
+        return _zero_padding(self._both_directions(x, mask), mask)
+
+    def _both_directions(self, x, mask):
+        # A function of its own, so that the two directions' results are gone (unless saved)
+        # before the mask multiplies (memory/sequence_ops.py counts on it).
+        forward = self.rnn.run(x, "")
+        backward = reverse_steps(self.rnn.run(reverse_steps(x, mask), "_reverse"), mask)
+        if self.mode == "concat":
+            return torch.cat([forward, backward], dim=-1)
+        if self.mode == "add":
+            return forward + backward
+        if self.mode == "mul":
+            return forward * backward
+        return (forward + backward) * 0.5  # average
+
+    def extra_repr(self) -> str:
+        return f"mode={self.mode}"
+
+
+def reverse_steps(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Each sequence's real steps in reverse order, its padding left at the end (its own
+    inverse). ``x`` ``[batch, time, size]``; ``mask`` ``[batch, time]``, left-aligned, or None."""
+    if mask is None:
+        return x.flip(1)
+    time = x.shape[1]
+    steps = torch.arange(time, device=x.device).unsqueeze(0)
+    lengths = mask.sum(dim=1, keepdim=True).long()
+    order = torch.where(steps < lengths, lengths - 1 - steps, steps)
+    return x.gather(1, order.unsqueeze(-1).expand(-1, -1, x.shape[2]))
 
 
 class LastStep(nn.Module):
@@ -124,6 +172,8 @@ def _last_time_step(layer, shape, config, gen, masks: SequenceMask, where: str):
 
 @LAYERS.builder("lstm")
 def _lstm(layer, shape, config, gen, masks: SequenceMask, where: str):
+    if layer.activation not in (None, "tanh"):  # PyTorch's kernels have tanh only: dl4py's loop
+        return RecurrentOp(_cell(layer, shape, config, gen, directions=1), masks), None
     rnn = _recurrent(nn.LSTM, layer, shape, config, gen)
     with torch.no_grad():  # PyTorch's gate order: input, forget, cell, output
         rnn.bias_ih_l0[layer.n_out : 2 * layer.n_out] = layer.forget_gate_bias_init
@@ -133,6 +183,42 @@ def _lstm(layer, shape, config, gen, masks: SequenceMask, where: str):
 @LAYERS.builder("gru")
 def _gru(layer, shape, config, gen, masks: SequenceMask, where: str):
     return RecurrentOp(_recurrent(nn.GRU, layer, shape, config, gen), masks), None
+
+
+@LAYERS.builder("graves_lstm", "simple_rnn")
+def _own_loop(layer, shape, config, gen, masks: SequenceMask, where: str):
+    return RecurrentOp(_cell(layer, shape, config, gen, directions=1), masks), None
+
+
+@LAYERS.builder("graves_bidirectional_lstm")
+def _graves_bidirectional(layer, shape, config, gen, masks: SequenceMask, where: str):
+    return BidirectionalOp(_cell(layer, shape, config, gen, directions=2), "add", masks), None  # DL4J sums
+
+
+@LAYERS.builder("bidirectional")
+def _bidirectional(layer, shape, config, gen, masks: SequenceMask, where: str):
+    return BidirectionalOp(_cell(layer.layer, shape, config, gen, directions=2), layer.mode, masks), None
+
+
+def _cell(layer, shape, config, gen, directions: int) -> nn.Module:
+    """The parameters and step function of ``layer`` (one of a Bidirectional's), initialised:
+    PyTorch's kernels where they compute DL4J's cell (a tanh LSTM, a GRU), else dl4py's loops."""
+    size, n = shape.dims[1], layer.n_out
+    activation = ACTIVATIONS[layer.activation or "tanh"]()  # DL4J's default, not the network's
+    name = layer.type_name
+    if name == "gru":
+        rnn = KernelGRU(size, n, batch_first=True, bidirectional=directions == 2)
+    elif name == "lstm" and layer.activation in (None, "tanh"):
+        rnn = KernelLSTM(size, n, batch_first=True, bidirectional=directions == 2)
+    elif name == "simple_rnn":
+        rnn = LoopRnn(size, n, directions, activation)
+    elif name == "lstm":
+        rnn = LoopLSTM(size, n, directions, False, activation)
+    else:  # graves_lstm, graves_bidirectional_lstm: peepholes
+        rnn = LoopLSTM(size, n, directions, True, activation, layer.gate_activation)
+    forget_gate_bias = None if name in ("gru", "simple_rnn") else layer.forget_gate_bias_init
+    init_cell(rnn, layer.weight_init or config.weight_init, gen, forget_gate_bias)
+    return rnn
 
 
 def _recurrent(cls: type[nn.RNNBase], layer, shape, config, gen) -> nn.RNNBase:
