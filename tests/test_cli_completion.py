@@ -3,8 +3,11 @@ bash, completes the commands, a command's flags and a flag's choices from the pa
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +16,7 @@ from dl4py.completion import completion_script
 from dl4py.version import __version__
 
 bash = shutil.which("bash")
+SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 def test_version(capsys):
@@ -49,3 +53,29 @@ def test_the_command_prints_a_script_for_each_shell(capsys):
     assert main(["completion", "zsh"]) == 0
     zsh = capsys.readouterr().out
     assert zsh.startswith("autoload -U +X bashcompinit && bashcompinit\n") and "complete -o filenames" in zsh
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["completion", "bash"], ["schema", "--help"]])
+def test_the_command_starts_without_importing_torch(argv):
+    """PyTorch is most of the command's start-up (about 3 s of 3.2 here before): ``import dl4py`` loads
+    names when they are used, and these commands use none that need it (benchmarks/cli_startup.py
+    times them)."""
+    program = ("import sys, contextlib, io\nfrom dl4py.cli import main\n"
+               "with contextlib.redirect_stdout(io.StringIO()):\n"
+               f"    try: main({argv!r})\n    except SystemExit: pass\n"
+               "import dl4py\nassert dl4py.__version__\n"
+               "print(sorted(m for m in ('torch', 'numpy', 'yaml') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(SRC)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_every_public_name_loads_when_asked_for():
+    import dl4py
+
+    for name in dl4py.__all__:
+        assert getattr(dl4py, name) is not None, name
+    assert dl4py.dl4j.save_dl4j is not None  # a subpackage on first use too
+    with pytest.raises(AttributeError, match="module 'dl4py' has no attribute 'nothing_here'"):
+        dl4py.nothing_here

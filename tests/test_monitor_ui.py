@@ -299,8 +299,8 @@ def test_the_report_of_a_sweep_ranks_its_experiments_and_sorts_by_any_column(run
 
 def test_ui_and_report_name_a_folder_they_cannot_show_and_a_port_in_use(runs, tmp_path, capsys):
     missing = tmp_path / "nowhere"
-    assert main(["ui", str(missing)]) == 2
-    assert capsys.readouterr().err.strip() == f"dl4py ui: error: {missing}: no such run directory or sweep folder"
+    assert main(["report", str(missing)]) == 2  # the live UI waits for it instead: test_monitor_waiting.py
+    assert capsys.readouterr().err.strip() == f"dl4py report: error: {missing}: no such run directory or sweep folder"
     other = tmp_path / "notes"
     other.mkdir()
     (other / "todo.txt").write_text("not a run")

@@ -279,11 +279,16 @@ def _value(text):
     return value if _is_number(value) else text
 
 
-def open_folders(paths: list[Path]) -> tuple[list[RunFolder], SweepFolder | None]:
+def open_folders(paths: list[Path], waiting: bool = False) -> tuple[list[RunFolder], SweepFolder | None]:
     """The run directories named, or the one sweep folder; a path that is neither is a
-    ConfigError naming it."""
+    ConfigError naming it. ``waiting`` (the live UI): a path that does not exist yet, or an
+    empty folder, is a run about to start (``dl4py train ... & dl4py ui RUN``), shown as
+    pending until its files appear."""
     runs, sweeps = [], []
     for path in map(Path, paths):
+        if waiting and (not path.exists() or (path.is_dir() and not any(path.iterdir()))):
+            runs.append(path)
+            continue
         if not path.exists():
             raise ConfigError(str(path), "no such run directory or sweep folder")
         if is_sweep_dir(path):

@@ -40,7 +40,7 @@ class UIServer(ThreadingHTTPServer):
     def __init__(self, paths: list[Path], host: str = "127.0.0.1", port: int = DEFAULT_PORT):
         if not 0 <= port <= 65535:
             raise ConfigError("--port", f"must be 0 to 65535 (0: any free port), got {port}")
-        self.runs, self.sweep = open_folders(paths)
+        self.runs, self.sweep = open_folders(paths, waiting=True)
         self.title = f"dl4py ui: {title_for(self.runs, self.sweep)}"
         self.page = live_page(POLL_MS).encode("utf-8")
         try:
@@ -100,6 +100,9 @@ def serve(paths: list[Path], host: str = "127.0.0.1", port: int = DEFAULT_PORT, 
     what = (f"sweep {server.sweep.path} ({len(server.runs)} experiments)" if server.sweep is not None
             else f"{len(server.runs)} run{'s' * (len(server.runs) > 1)}")
     announce(f"dl4py ui: {what} at {server.url} (Ctrl-C to stop)")
+    for run in server.runs:
+        if not run.path.is_dir() or not any(run.path.iterdir()):
+            announce(f"dl4py ui: {run.path} has no run in it yet: shown as pending until training writes there")
     try:
         server.serve_forever()
     except KeyboardInterrupt:

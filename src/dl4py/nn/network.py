@@ -6,6 +6,7 @@ import torch
 
 from dl4py.backend import Backend, Precision
 from dl4py.backend.cuda_environment import environment
+from dl4py.config.input_type import Convolutional, ConvolutionalFlat
 from dl4py.config.network import NetworkConfig
 from dl4py.errors import DataError
 from dl4py.config.layers_conv import CnnLossLayer
@@ -79,6 +80,9 @@ class MultiLayerNetwork(Model):
     def check_features(self, features: torch.Tensor, where: str) -> None:
         check_features_for(self.config.input_type, features, where)
 
+    def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
+        return super().prepare_input(with_channel_axis(self.config.input_type, x))
+
     def save_dl4j(self, path) -> None:
         """Write this network as a DL4J ModelSerializer zip (``dl4py.dl4j.save_dl4j``): its
         configuration, parameters, updater state and normalizer, for a Java serving stack or
@@ -100,8 +104,26 @@ class MultiLayerNetwork(Model):
         return f"{table}  (precision {self.precision}, backend {self.backend})"
 
 
+def _grayscale_without_channels(input_type, features: torch.Tensor) -> bool:
+    """One-channel images given as ``[n, height, width]`` (Hugging Face's MNIST, torchvision's
+    tensors): what a convolutional input type of one channel takes, the channel axis added."""
+    return (isinstance(input_type, (Convolutional, ConvolutionalFlat)) and input_type.channels == 1
+            and features.dim() == 3 and tuple(features.shape[1:]) == (input_type.height, input_type.width))
+
+
+def with_channel_axis(input_type, x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the layout ``input_type`` describes, where it is one-channel images without
+    their channel axis (a view: no copy)."""
+    if not _grayscale_without_channels(input_type, x):
+        return x
+    return x.reshape(x.shape[0], -1) if isinstance(input_type, ConvolutionalFlat) else x.unsqueeze(1)
+
+
 def check_features_for(input_type, features: torch.Tensor, where: str) -> None:
-    """DataError when ``features`` do not have the shape ``input_type`` describes."""
+    """DataError when ``features`` do not have the shape ``input_type`` describes (one-channel
+    images may come without their channel axis, ``[n, height, width]``)."""
+    if _grayscale_without_channels(input_type, features):
+        return
     expected = input_type.example_shape()  # None: a sequence of any length
     got = tuple(features.shape[1:])
     if len(got) != len(expected) or any(e is not None and g != e for g, e in zip(got, expected)):
