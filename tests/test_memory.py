@@ -286,7 +286,7 @@ def test_batch_size_auto_trains_with_the_largest_batch_that_fits(tmp_path, mnist
     from dl4py.memory import auto as auto_module
     from dl4py.runner import train_run
 
-    budget = 60 * 2**20  # a small "device", so memory, not the data set, limits the batch
+    budget = 12 * 2**20  # a small "device", so memory, not the data set (4096 / 64 updates), limits the batch
     monkeypatch.setattr(auto_module, "device_memory",
                         lambda device: DeviceMemory(budget, "a 60 MiB test budget", "cpu", False))
     config = RunConfig.from_file(LENET_YAML).with_overrides(
@@ -294,16 +294,37 @@ def test_batch_size_auto_trains_with_the_largest_batch_that_fits(tmp_path, mnist
     result = train_run(config, output=tmp_path / "run", progress=False)
     chosen = RunConfig.from_file(tmp_path / "run" / "config.yaml").training.batch_size
     assert chosen == result["batch_size"] == max_batch_size(config, budget, "float", device="cpu", margin=0.15)
-    assert 100 < chosen < 4096
+    assert 20 < chosen < 4096 // 64
     assert result["iterations"] == -(-4096 // chosen)  # the data batched at the chosen size, not the probe's
     assert estimate(config, chosen, device="cpu").total_bytes <= 0.85 * budget
     # Resuming keeps the recorded batch, whatever memory is free now.
-    budget = 30 * 2**20
+    budget = 8 * 2**20
     resumed = train_run(config.with_overrides(["training.epochs=2"]), output=tmp_path / "run", resume=True,
                         progress=False)
     assert resumed["batch_size"] == chosen and resumed["epochs"] == 2
     with pytest.raises(ConfigError, match="batch_size"):
         config.with_overrides(["training.batch_size=big"])
+
+
+def test_auto_batch_size_leaves_an_epoch_64_updates_where_memory_would_allow_one(monkeypatch):
+    """On a roomy device (a CPU's RAM) the largest batch that fits may be the whole training set:
+    one update an epoch, which trains badly. The batch is at most the examples / 64 (per worker),
+    never below 32 (a few examples a step diverges as surely) nor above the training set, and the
+    reason says which bound chose it."""
+    from dl4py.memory import DeviceMemory
+    from dl4py.memory import auto as auto_module
+
+    monkeypatch.setattr(auto_module, "device_memory", lambda device: DeviceMemory(64 * 2**30, "64 GiB", "cpu", False))
+    config, cpu = RunConfig.from_file(LENET_YAML), torch.device("cpu")
+    chosen, why = auto_module.auto_batch_size(config, cpu, train_examples=60_000, example_bytes=3136)
+    assert chosen == 60_000 // 64 == 937
+    assert "60,000 training examples / 64: an epoch makes at least 64 updates" in why
+    two, why = auto_module.auto_batch_size(config, cpu, train_examples=60_000, example_bytes=3136, workers=2)
+    assert two == 60_000 // 128 and "60,000 training examples / 2 workers / 64" in why
+    small, why = auto_module.auto_batch_size(config, cpu, train_examples=230, example_bytes=3136)
+    assert small == 32 and "(32, the least auto takes)" in why  # not 230 / 64 = 3 examples a step
+    tiny, why = auto_module.auto_batch_size(config, cpu, train_examples=10, example_bytes=3136)
+    assert tiny == 10 and "(the whole training set)" in why
 
 
 def test_auto_batch_size_charges_each_worker_process_a_cuda_context(monkeypatch):

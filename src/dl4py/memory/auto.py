@@ -7,7 +7,11 @@ or the RAM available. Parallel workers are processes of their own: they share th
 memory of the device they are placed on, each paying a whole CUDA context, while the
 model stays where it is in this process. A margin stays free for what the
 estimate leaves out (allocator fragmentation, cuDNN's workspaces). The training set is
-counted as device-resident where it may be kept there, and the batch never exceeds it.
+counted as device-resident where it may be kept there. The batch is also at most the training
+examples / 64 (/ the workers), so that an epoch makes at least 64 updates: on a machine with
+much memory (a CPU's RAM) the largest batch that fits is often the whole training set, one
+update an epoch. That bound never goes below 32 (Keras' default batch), nor the batch above the
+training set.
 No batch is chosen at which a tensor reaches 2**31 elements (``max_batch_size``).
 """
 
@@ -25,6 +29,8 @@ from dl4py.memory.estimate import estimate
 log = logging.getLogger("dl4py")
 
 AUTO_MARGIN = 0.15
+MIN_UPDATES_PER_EPOCH = 64
+SMALLEST_AUTO_BATCH = 32
 
 
 def auto_batch_size(config, device: torch.device, train_examples: int, example_bytes: int,
@@ -40,8 +46,17 @@ def auto_batch_size(config, device: torch.device, train_examples: int, example_b
             "training.batch_size",
             f"is auto, but not even a batch of 1 fits: {memory.source}; see `dl4py memory` for the breakdown",
         )
-    chosen = min(largest, train_examples)
-    capped = " (the whole training set)" if chosen < largest else ""
+    # Memory is one bound; the updates an epoch makes are the other: the largest batch that
+    # fits a roomy device (a CPU's RAM) can be the whole training set, one update an epoch.
+    # (Parallel workers share the examples: each makes its updates on its part.)
+    # Never below Keras' default batch, though: a handful of examples a step is its own trouble.
+    most_for_updates = max(SMALLEST_AUTO_BATCH, train_examples // (MIN_UPDATES_PER_EPOCH * workers))
+    chosen = min(largest, most_for_updates, train_examples)
+    share = f" / {workers} workers" if workers > 1 else ""
+    capped = ("" if chosen == largest else " (the whole training set)" if chosen == train_examples
+              else f" ({SMALLEST_AUTO_BATCH}, the least auto takes)" if chosen == SMALLEST_AUTO_BATCH
+              else f" ({train_examples:,} training examples{share} / {MIN_UPDATES_PER_EPOCH}: an epoch makes at least "
+                   f"{MIN_UPDATES_PER_EPOCH} updates)")
     sharing = _workers_per_device(device, workers) if workers > 1 else 1
     shared = (f" shared by {sharing} worker processes" if sharing > 1
               else " for each worker process" if workers > 1 else "")

@@ -93,6 +93,8 @@ class ProgressBar(TrainingListener):
             self._validation = dict(summary.validation)
         if summary.skipped_steps:
             self._validation["skipped"] = summary.skipped_steps
+        if summary.accuracy is not None:  # the epoch's training accuracy, shown beside its loss
+            self._validation = {"accuracy": summary.accuracy, **self._validation}
         if self._bar is not None:
             self._loss = summary.mean_loss
             self._draw(summary.samples_per_second)
@@ -130,7 +132,9 @@ class EpochLines(TrainingListener):
     """One line per epoch, flushed as soon as the epoch ends (``verbose=2``): for a log file,
     a pipe or a CI log, where a bar's redraws would be noise.
 
-        epoch 2/3: loss 0.2134, val_loss 0.1987, val_accuracy 0.9412, 3.1 s, 18934 samples/s
+        epoch 2/3: loss 0.2134, accuracy 0.9388, val_loss 0.1987, val_accuracy 0.9412, 3.1 s, 18934 samples/s
+
+    The training ``accuracy`` is the epoch's (its batches as they were met), where the fit counts it.
     """
 
     def __init__(self, total_epochs: int | None = None, stream=None):
@@ -139,7 +143,8 @@ class EpochLines(TrainingListener):
 
     def on_epoch_end(self, model, summary):
         stream = self._stream if self._stream is not None else sys.stderr
-        scores = {"loss": summary.mean_loss, **(summary.validation or {})}
+        training = {"loss": summary.mean_loss, **({} if summary.accuracy is None else {"accuracy": summary.accuracy})}
+        scores = {**training, **(summary.validation or {})}
         parts = [f"{name} {value:.4f}" for name, value in scores.items() if isinstance(value, (int, float))]
         parts += [f"{summary.seconds:.1f} s", f"{summary.samples_per_second:.0f} samples/s"]
         if summary.skipped_steps:  # the loss scaler's: a run that skips must not look healthy
