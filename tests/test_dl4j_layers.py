@@ -601,3 +601,17 @@ def test_nwc_sequence_layers_compute_as_ncw_ones(tmp_path):
         net = import_dl4j(_network_zip(tmp_path, layers, params))
         outputs.append(_output(net, np.random.default_rng(19).normal(size=(2, 5, 3))))
     np.testing.assert_array_equal(outputs[0], outputs[1])
+
+
+def test_a_bidirectional_layer_s_own_input_dropout_is_kept(tmp_path):
+    """DL4J's Bidirectional hands its input to both copies of its layer, which apply their own
+    dropout (``idropout`` inside ``fwd``): dl4py's DropoutLayer before it, with DL4J's p as the
+    probability to keep."""
+    n_in, n = 3, 2
+    lstm = {"@class": LAYERS + "LSTM", "nin": n_in, "nout": n, "activationFn": _activation("TanH"),
+            "idropout": {"@class": "org.deeplearning4j.nn.conf.dropout.Dropout", "p": 0.75}}
+    layer = _layer("recurrent.Bidirectional", fwd=lstm, bwd=lstm, mode="ADD", nin=n_in, nout=n)
+    path, _ = _recurrent_zip(tmp_path, layer, 2 * (n_in * 4 * n + n * 4 * n + 4 * n), n)
+    net = import_dl4j(path)
+    assert [layer.type_name for layer in net.config.layers] == ["dropout", "bidirectional", "rnn_output"]
+    assert net.config.layers[0].rate == pytest.approx(0.25)

@@ -35,7 +35,8 @@ def map_bidirectional(mapping: NetworkMapping, fields: LayerFields) -> None:
     if mode is None:
         raise fields.error(f"Bidirectional mode {fields.get('mode')!r}: dl4py has CONCAT, ADD, MUL and AVERAGE")
     layer = Bidirectional(layer=recurrent_layer(forward, mapping), mode=mode)
-    mapping.add_with_dropout(fields, layer, "op")
+    # Dropout on the input: the wrapper's, else its layer's (DL4J's Bidirectional hands the input to both copies).
+    mapping.add_with_dropout(fields if fields.get("idropout") is not None else forward, layer, "op")
 
 
 def map_last_time_step(mapping: NetworkMapping, fields: LayerFields) -> None:
