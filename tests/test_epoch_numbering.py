@@ -9,9 +9,7 @@ Ctrl-C message, a data error and the ``--resume`` message.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 
 import pytest
 import yaml
@@ -25,9 +23,9 @@ from dl4py.resume import resumed_message
 from dl4py.runner import train_run
 from dl4py.train import TrainingInterrupted
 from dl4py.train.early_stopping import EarlyStoppingConfiguration, EarlyStoppingTrainer, MaxEpochs, ScoreCalculator
-from dl4py.train.listeners import TrainingListener
 from dl4py.train.numbering import batch_location, epoch_name, round_name, stop_point
 
+from test_resume_exact import CtrlCAt  # a real Ctrl-C (SIGINT to this process) after an iteration
 from toy import mlp, toy  # noqa: E402
 
 BATCH, BATCHES = 16, 4  # 64 rows: four batches an epoch
@@ -37,17 +35,6 @@ CONSOLE_LINE = re.compile(r"epoch (\d+)/(\d+): loss ")
 def console_epochs(err: str) -> list[int]:
     """The epoch numbers of the console's lines (``verbose=2``) in ``err``."""
     return [int(m.group(1)) for line in err.splitlines() if (m := CONSOLE_LINE.match(line))]
-
-
-class CtrlCAt(TrainingListener):
-    """A real Ctrl-C (SIGINT to this process) once iteration ``at`` is done, as a terminal's."""
-
-    def __init__(self, at: int):
-        self.at = at
-
-    def iteration_done(self, model, iteration, epoch, loss, batch_size):
-        if iteration == self.at:
-            os.kill(os.getpid(), signal.SIGINT)
 
 
 class Scripted(ScoreCalculator):

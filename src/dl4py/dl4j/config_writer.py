@@ -37,6 +37,7 @@ from dl4py.dl4j.layer_json_parts import (
     LOSSES,
     NO_CUDNN_ALGORITHMS,
     activation_json,
+    convolution_fields,
     n_in,
     pooling_json,
     trained,
@@ -134,12 +135,7 @@ def _dense(config, layer, shape):
 
 
 def _convolution(config, layer, shape):
-    return "ConvolutionLayer", {
-        "activationFn": activation_json(config, layer), **trained(config, layer), "convolutionMode": "Truncate",
-        "cudnnAlgoMode": "PREFER_FASTEST", "cudnnAllowFallback": True, **NO_CUDNN_ALGORITHMS,
-        "dilation": list(layer.dilation),
-        "hasBias": layer.has_bias, "kernelSize": list(layer.kernel_size), "nin": n_in(shape), "nout": layer.n_out,
-        "padding": list(layer.padding), "stride": list(layer.stride)}
+    return "ConvolutionLayer", {**convolution_fields(config, layer), "nin": n_in(shape), "nout": layer.n_out}
 
 
 def _deconvolution(config, layer, shape):

@@ -18,15 +18,7 @@ from dl4py.config.layers_conv import (
 )
 from dl4py.config.recurrent import GRU, LSTM
 from dl4py.config.recurrent_extra import Bidirectional, GravesBidirectionalLSTM, GravesLSTM, SimpleRnn
-from dl4py.dl4j.layer_json_parts import (
-    LAYERS,
-    LOSSES,
-    NO_CUDNN_ALGORITHMS,
-    activation_json,
-    n_in,
-    named_activation,
-    trained,
-)
+from dl4py.dl4j.layer_json_parts import LAYERS, LOSSES, convolution_fields, n_in, named_activation, trained
 from dl4py.dl4j.ndarray import DL4JFileError
 
 
@@ -58,20 +50,13 @@ def bidirectional_json(config, layer, shape) -> tuple[str, dict]:
 
 def depthwise_json(config, layer, shape) -> tuple[str, dict]:
     channels = n_in(shape)
-    return "DepthwiseConvolution2D", {**_convolution_fields(config, layer), "depthMultiplier": layer.depth_multiplier,
+    return "DepthwiseConvolution2D", {**convolution_fields(config, layer), "depthMultiplier": layer.depth_multiplier,
                                       "nin": channels, "nout": channels * layer.depth_multiplier}
 
 
 def separable_json(config, layer, shape) -> tuple[str, dict]:
-    return "SeparableConvolution2D", {**_convolution_fields(config, layer), "depthMultiplier": layer.depth_multiplier,
+    return "SeparableConvolution2D", {**convolution_fields(config, layer), "depthMultiplier": layer.depth_multiplier,
                                       "nin": n_in(shape), "nout": layer.n_out}
-
-
-def _convolution_fields(config, layer) -> dict:
-    return {"activationFn": activation_json(config, layer), **trained(config, layer), "convolutionMode": "Truncate",
-            "cudnnAlgoMode": "PREFER_FASTEST", "cudnnAllowFallback": True, **NO_CUDNN_ALGORITHMS,
-            "dilation": list(layer.dilation), "hasBias": layer.has_bias, "kernelSize": list(layer.kernel_size),
-            "padding": list(layer.padding), "stride": list(layer.stride)}
 
 
 def cropping_json(config, layer, shape) -> tuple[str, dict]:

@@ -98,6 +98,14 @@ def n_in(shape) -> int:
     return shape.dims[-1] if shape.kind == "rnn" else (shape.dims[0] if shape.kind == "cnn" else shape.size)
 
 
+def convolution_fields(config: NetworkConfig, layer) -> dict:
+    """A 2-D convolution's fields (plain, transposed, depthwise, separable) but its nIn and nOut."""
+    return {"activationFn": activation_json(config, layer), **trained(config, layer), "convolutionMode": "Truncate",
+            "cudnnAlgoMode": "PREFER_FASTEST", "cudnnAllowFallback": True, **NO_CUDNN_ALGORITHMS,
+            "dilation": list(layer.dilation), "hasBias": layer.has_bias, "kernelSize": list(layer.kernel_size),
+            "padding": list(layer.padding), "stride": list(layer.stride)}
+
+
 def pooling_json(layer, kernel: list, stride: list, padding: list) -> dict:
     """A pooling layer's fields: in Truncate mode dl4py's average pooling counts the padding in its
     divisor; in Same mode it leaves it out (DL4J's default there)."""
