@@ -1,7 +1,7 @@
 """Serving throughput and latency: ParallelInference batched and sequential against a plain loop.
 
     python benchmarks/inference.py [--device auto|cpu|gpu] [--quick] [--requests 4000] [--clients 16]
-                                   [--workers 1] [--batch-limit 32]
+                                   [--workers 1] [--batch-limit 32] [--note "what else ran"]
 
 The seed's LeNet (examples/lenet_mnist.yaml) answers single-image requests (MNIST test
 images). Each contestant answers the same ``--requests`` requests:
@@ -15,6 +15,15 @@ images). Each contestant answers the same ``--requests`` requests:
 requests/s is requests over the wall time from the first request to the last answer;
 latency is each request's time from call to answer (p50, p99). Contestants run in turn,
 ``--repeats`` rounds (A, B, C, D, A, ...); the figures are the median round's.
+
+First, at one thread (``torch.set_num_threads(1)``), what ``model.output`` adds to the
+network's own module on one image: ``model.output(image)`` against ``model.module(x)`` under
+``torch.no_grad`` (``x`` the prepared input, the module in eval mode; no output activation),
+and the same module call under ``torch.inference_mode``. Each of ``OVERHEAD_ROUNDS`` rounds
+runs ``OVERHEAD_BLOCKS`` cycles, a block of ``OVERHEAD_BLOCK`` calls of each contestant per
+cycle in alternating order; a round's ratio is the median over its cycles of a contestant's
+block time over the raw ``no_grad`` block's, so a burst of other load spoils a cycle, not the
+round. The figure is the median round's (target for ``model.output``: at most 1.1).
 Writes inference-<cpu|gpu>.json and .md to --out.
 """
 
@@ -26,11 +35,66 @@ import threading
 import time
 
 import numpy as np
+import torch
 
 from _common import device_of, heading, label, machine, parser, seed_lenet, sync, write
 from dl4py import MnistDataSetIterator, MultiLayerNetwork, ParallelInference
 
 LOOP = "model.output loop"
+RAW = "module forward, no_grad"
+OVERHEAD_ROUNDS, OVERHEAD_BLOCKS, OVERHEAD_BLOCK = 5, 100, 5
+
+
+def single_image_overhead(model, image, device):
+    """Median over rounds of each contestant's time per call, and of output's ratio to the raw
+    module under no_grad, at one thread. Blocks alternate within a round (A B C, C B A, ...), so
+    load that comes and goes on a shared machine falls on all of them."""
+    module, x = model.module, model.prepare_input(image.to(device))
+    module.eval()
+
+    def raw_no_grad():
+        with torch.no_grad():
+            module(x)
+
+    def raw_inference_mode():
+        with torch.inference_mode():
+            module(x)
+
+    contestants = {RAW: raw_no_grad, "module forward, inference_mode": raw_inference_mode,
+                   "model.output": lambda: model.output(image)}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for call in contestants.values():  # warm-up
+            for _ in range(OVERHEAD_BLOCK):
+                call()
+        rounds = []  # per round, per cycle: each contestant's block time
+        for _ in range(OVERHEAD_ROUNDS):
+            cycles, order = [], list(contestants)
+            for _ in range(OVERHEAD_BLOCKS):
+                spent = {}
+                for name in order:
+                    call = contestants[name]
+                    began = time.perf_counter()
+                    for _ in range(OVERHEAD_BLOCK):
+                        call()
+                    sync(device)
+                    spent[name] = time.perf_counter() - began
+                cycles.append(spent)
+                order.reverse()
+            rounds.append(cycles)
+    finally:
+        torch.set_num_threads(threads)
+    calls = OVERHEAD_BLOCKS * OVERHEAD_BLOCK
+    ratios = {name: [statistics.median(c[name] / c[RAW] for c in cycles) for cycles in rounds]
+              for name in contestants}
+    return {
+        "threads": 1, "rounds": OVERHEAD_ROUNDS, "calls_per_round": calls,
+        "us_per_call": {name: statistics.median(sum(c[name] for c in cycles) for cycles in rounds) / calls * 1e6
+                        for name in contestants},
+        "ratio_to_raw": {name: statistics.median(v) for name, v in ratios.items()},
+        "round_ratios": ratios,
+    }
 
 
 def plain_loop(model, x, device):
@@ -80,6 +144,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--batch-limit", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--note", default="", help="what the record should say about the machine (other load, ...)")
     args = p.parse_args()
     device = device_of(args.device)
     requests = args.requests or (400 if args.quick else 4000)
@@ -93,6 +158,7 @@ def main() -> None:
 
     model.output(x[:64])  # warm-up: allocator, kernels
     load_before = list(os.getloadavg())  # other work on the machine shows in the tails
+    overhead = single_image_overhead(model, x[:1], device)
     rounds = {name: [] for name in contestants}
     for _ in range(repeats):
         for name, run in contestants.items():
@@ -113,6 +179,7 @@ def main() -> None:
         "benchmark": "inference", **record, "quick": args.quick, "model": "seed LeNet (examples/lenet_mnist.yaml)",
         "requests": requests, "clients": args.clients, "workers": args.workers, "batch_limit": args.batch_limit,
         "repeats": repeats, "load_average_before": load_before, "load_average_after": list(os.getloadavg()),
+        "note": args.note, "single_image_overhead": overhead,
         "results": figures,
         "speedup_over_loop": {k: v["requests_per_second"] / base for k, v in figures.items()},
         "median_round_seconds": {k: statistics.median(v["round_seconds"]) for k, v in figures.items()},
@@ -120,7 +187,19 @@ def main() -> None:
     lines = heading(
         f"Inference: seed LeNet, {requests} single-image requests, {args.clients} client threads, "
         f"{args.workers} replica(s), batch_limit {args.batch_limit}, {label(device).upper()}", record, args.quick,
-    ) + [
+    ) + ([f"Machine: {args.note}", ""] if args.note else []) + [
+        "## One image at one thread: `model.output` over the module's own forward", "",
+        "| call | µs per call (median round) | / module forward under no_grad (median round) |",
+        "|---|---|---|",
+        *(f"| {k} | {overhead['us_per_call'][k]:,.0f} | **{overhead['ratio_to_raw'][k]:.3f}** |"
+          for k in overhead["us_per_call"]),
+        "",
+        f"{overhead['rounds']} rounds of {overhead['calls_per_round']} calls of each, in alternating blocks of "
+        f"{OVERHEAD_BLOCK}; a round's ratio is the median over its cycles of block times. `model.output`'s "
+        "ratios per round: "
+        + ", ".join(f"{r:.3f}" for r in overhead["round_ratios"]["model.output"]) + ".",
+        "",
+        "## Serving", "",
         "| contestant | requests/s | p50 latency (ms) | p99 latency (ms) | mean batch | requests/s / loop |",
         "|---|---|---|---|---|---|",
         *(f"| {k} | {v['requests_per_second']:,.0f} | {v['p50_ms']:.2f} | {v['p99_ms']:.2f} | "

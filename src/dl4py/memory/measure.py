@@ -125,6 +125,7 @@ def measure_training_step(model, features: torch.Tensor, labels: torch.Tensor, w
     must call it, as every rank takes part in each step's collectives.
     """
     model.init()
+    model.module.train()  # a training step's tensors (dropout masks), whatever mode output() left it in
     step = make_train_step(model)
     features = model.precision.convert_input(features.to(model.device))
     labels = labels.to(model.device)

@@ -28,7 +28,7 @@ from dl4py.errors import BackendError, ConfigError, DataError
 from dl4py.eval.roc import ROC
 from dl4py.eval.select import new_evaluation, new_roc
 from dl4py.nn.memory_format import to_channels_last, use_channels_last
-from dl4py.nn.predict import predictions, probabilities
+from dl4py.nn.predict import InferenceState, predictions, probabilities
 from dl4py.nn.serialization import KERNEL_KEYS, save_model
 from dl4py.nn.signature import Signature
 from dl4py.nn.training_state import TrainingState
@@ -52,6 +52,11 @@ class Model:
     # How a sharded or tensor-parallel worker's replica is laid out across the ranks
     # (parallel.sharding.ShardedReplica, parallel.tensor_replica.TensorParallelReplica); else None.
     parallel_layout = None
+    # What inference passes keep between calls (nn.predict.InferenceState), made at the first;
+    # and whether one left the module in eval mode, for train_step to switch back. Class
+    # defaults too.
+    _inference_state = None
+    _left_in_eval = False
 
     def __init__(self, backend: str | Backend | None = None, precision: str | Precision | None = None):
         self._requested_backend = backend
@@ -76,7 +81,7 @@ class Model:
         # are rebuilt there on the worker's device (weights follow in a saved model file).
         state = dict(self.__dict__)
         for name in ("module", "optimizer", "precision_state", "_train_step", "_gradient_hook", "backend",
-                     "precision", "device_data", "parallel_layout"):
+                     "precision", "device_data", "parallel_layout", "_inference_state"):
             state[name] = None
         return state
 
@@ -114,7 +119,9 @@ class Model:
         raise NotImplementedError(f"{type(self).__name__} does not say its signature()")
 
     def check_features(self, features: torch.Tensor, where: str) -> None:
-        """Raise DataError when ``features`` cannot go into this network."""
+        """Raise DataError when ``features`` cannot go into this network. It may read their
+        dtype and shape past the first axis, nothing else: ``output`` checks each such kind
+        of input once."""
 
     def check_labels(self, labels: torch.Tensor, where: str) -> None:
         """Raise DataError when ``labels`` do not fit the output layer."""
@@ -310,6 +317,9 @@ class Model:
         if self._train_step is None:
 
             self._train_step = make_train_step(self, gradient_hook=self._gradient_hook)
+        if self._left_in_eval:  # an inference pass left it there (_inference): training resumes here
+            self.module.train()
+            self._left_in_eval = False
         loss = self._train_step(features, labels, observe)
         if loss is not None:
             self.training_state.set_score(loss)
@@ -392,21 +402,29 @@ class Model:
     # ---- inference ---------------------------------------------------------------------
     def output(self, features, batch_size: int = 4096, *, label=None) -> torch.Tensor:
         """Predictions for ``features`` (numpy or tensor ``[n, ...]``, or any data ``fit`` takes:
-        its labels, or a DataFrame's ``label`` column, are left out), on the model's device."""
+        its labels, or a DataFrame's ``label`` column, are left out), on the model's device.
+        The module stays in eval mode afterwards (``fit`` and ``train_step`` switch it back)."""
         self.init()
         if not isinstance(features, (torch.Tensor, np.ndarray)):
             # Read as the data comes (an iterator has its own batches); batch_size is the forward's.
             features = torch.cat([b.features for b in as_iterator(features, None, label=label, labelled=False)])
         x = _as_tensor(features, "features")
-        self.check_features(x, "output(features)")
+        state = self._inference_now()
+        state.check(self, x, "output(features)")
         self.set_mask(None)  # whole sequences: a training batch's mask must not apply
-        outs = []
-        with self._inference():
-            for start in range(0, x.shape[0], batch_size):
-                chunk = self.prepare_input(x[start : start + batch_size].to(self.backend.device))
-                with self.precision.forward_context(self.backend.device):
-                    outs.append(self.activate(self.module(chunk)))
+        with self._inference(state):
+            if 0 < x.shape[0] <= batch_size:  # one pass: no slice, no copy into a concatenation
+                return self._forward_for_output(x, state)
+            outs = [self._forward_for_output(x[start : start + batch_size], state)
+                    for start in range(0, x.shape[0], batch_size)]
         return torch.cat(outs) if outs else torch.empty(0, device=self.backend.device)  # where outputs live
+
+    def _forward_for_output(self, x: torch.Tensor, state: InferenceState) -> torch.Tensor:
+        chunk = self.prepare_input(x.to(self.backend.device))
+        if not state.autocast:
+            return self.activate(self.module(chunk))
+        with self.precision.forward_context(self.backend.device):
+            return self.activate(self.module(chunk))
 
     def predict(self, data, batch_size: int | None = None, *, label=None) -> np.ndarray:
         """Predictions for ``data`` (anything ``fit`` takes; labels ignored) as numpy: a
@@ -512,9 +530,24 @@ class Model:
         x = self.precision.convert_input(x)
         return to_channels_last(x) if self._channels_last else x
 
-    def _inference(self):
+    def _inference(self, state: InferenceState | None = None):
+        """A pass over the module for inference: eval mode, left on between passes (``train_step``
+        and ``fit`` switch back), under ``torch.no_grad``. Not ``torch.inference_mode``: its
+        tensors refuse to be saved for backward, and ``output``'s may feed a network that trains
+        (features for a new head), or an evaluation may update them in place later; and once
+        the eval/train walk per call was gone it measured within 1% of no_grad on a one-image
+        LeNet forward (benchmarks/inference.py), so predict's numpy results gain nothing by it."""
+        if (state or self._inference_now()).enter_eval():
+            self._left_in_eval = True
+        return torch.no_grad()
+
+    def _inference_now(self) -> InferenceState:
+        """The inference state of the module and precision policy the model has now."""
         self.init()
-        return _InferenceMode(self.module)
+        state = self._inference_state
+        if state is None or not state.fits(self.module, self.precision):
+            state = self._inference_state = InferenceState(self.module, self.precision)
+        return state
 
     # ---- persistence ---------------------------------------------------------------------
     def save(self, path, save_updater: bool = True) -> None:
@@ -596,23 +629,6 @@ def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
         logging.getLogger("dl4py").warning("dl4py: %s", message)
-
-
-class _InferenceMode:
-    """Eval mode and no grad for the duration; restores the module's previous mode."""
-
-    def __init__(self, module: nn.Module):
-        self.module = module
-
-    def __enter__(self):
-        self.was_training = self.module.training
-        self.module.eval()
-        self.no_grad = torch.no_grad()
-        self.no_grad.__enter__()
-
-    def __exit__(self, *exc):
-        self.no_grad.__exit__(*exc)
-        self.module.train(self.was_training)
 
 
 def _as_tensor(value, name: str) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""``Model.predict`` and ``predict_proba``: ``output`` as numpy, classes for a classifier.
+"""``Model.predict`` and ``predict_proba``: ``output`` as numpy, classes for a classifier;
+and ``InferenceState``, what a model's inference passes keep between calls.
 
 A model is a regressor when its output's loss is a regression loss (mse, l1, ...: the
 same test ``evaluate`` uses to choose ``RegressionEvaluation``), as ``model.signature()``
@@ -9,6 +10,8 @@ graph with several outputs gives a list, one array per output, each judged by it
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import numpy as np
 import torch
 
@@ -16,6 +19,52 @@ from dl4py.data.adapters import as_iterator
 
 # As Model.output: at most this many examples in one forward pass.
 CHUNK = 4096
+# Kinds of input (dtype, shape past the first axis) an InferenceState remembers as checked;
+# sequences of many lengths start the set over rather than grow it without end.
+CHECKED_KINDS = 64
+_TRAINING = attrgetter("training")
+
+
+class InferenceState:
+    """What a model's inference passes (``output``, ``predict``, ``score``, ``evaluate``) keep
+    between calls, for one built module under one precision policy: the module's parts, and
+    the kinds of input already checked. ``Model`` makes a new one when the module or the
+    policy is another object (``fits``).
+
+    It does not see a part put into the module after it was made (``module[2] = nn.Dropout()``):
+    replacing parts of a built network's module is outside dl4py's API."""
+
+    def __init__(self, module: torch.nn.Module, precision):
+        self.module, self.precision = module, precision
+        self.parts = tuple(module.modules())
+        self.checked: set = set()
+        # The policy decides once whether a forward needs its context (autocast) at all.
+        self.autocast = precision.autocast_dtype is not None
+
+    def fits(self, module: torch.nn.Module, precision) -> bool:
+        return self.module is module and self.precision is precision
+
+    def enter_eval(self) -> bool:
+        """Put the module in eval mode unless every part of it already is; True when it switched.
+        One flag read per part rather than ``eval()``'s recursive walk (with ``train()`` after
+        it, a quarter of a one-image ``output``): a user may have switched the module, or one
+        layer of it, to training since the last pass, and dropout or batch statistics must
+        not reach an inference output."""
+        if any(map(_TRAINING, self.parts)):
+            self.module.eval()
+            return True
+        return False
+
+    def check(self, model, features: torch.Tensor, where: str) -> None:
+        """``model.check_features`` once per kind of input: the checks read the dtype and the
+        shape past the first axis, so a later input of the same kind passes them too."""
+        kind = (features.dtype, features.shape[1:])
+        if kind in self.checked:
+            return
+        model.check_features(features, where)  # raises: a refused kind is never remembered
+        if len(self.checked) >= CHECKED_KINDS:
+            self.checked.clear()
+        self.checked.add(kind)
 
 
 def probabilities(model, data, batch_size: int | None, label=None):
