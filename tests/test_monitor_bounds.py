@@ -423,3 +423,17 @@ def test_the_pages_show_a_runs_strings_as_text_and_say_what_they_left_out(chromi
                     "(evenly spread, the last one kept)",
                     f"{run.name}: metrics.jsonl: line {records + 5} (2.0 MiB) over the 1.0 MiB a record may be: "
                     "skipped"], what
+
+
+def test_histograms_stay_in_the_file_and_out_of_the_pages_answers(tmp_path):
+    """A stats record's histograms (for TensorBoard and W&B) are left out of what the page
+    gets: it draws none, and they triple a small model's record."""
+    histogram = {"min": -1.0, "max": 1.0, "counts": [1] * 20, "sum": 0.0, "sum_squares": 20.0}
+    record = {"time": 1, "kind": "stats", "iteration": 10, "score": 0.5,
+              "layers": {"0_DenseLayer": {"update_ratio": 0.001}},
+              "histograms": {"0_DenseLayer": {"parameters": histogram}}}
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    chunk = read_metrics(path)
+    assert [r["iteration"] for r in chunk.records] == [10]
+    assert "histograms" not in chunk.records[0] and chunk.records[0]["layers"] == record["layers"]

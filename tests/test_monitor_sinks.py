@@ -28,7 +28,8 @@ def run_config(**logging) -> RunConfig:
                     "layers": [{"type": "dense", "n_out": 32, "activation": "relu"}, {"type": "output", "n_out": 10}]},
         "data": {"dataset": "mnist", "seed": 1, "limit_train": 1024, "limit_test": 300, "validation": {"split": 0.25}},
         "training": {"epochs": 1, "batch_size": 64, "backend": "cpu", "score_every": 0},
-        "logging": {"stats_every": STATS_EVERY, "tensorboard": True, "mlflow_experiment": "sinks", **logging},
+        "logging": {"stats_every": STATS_EVERY, "histogram_every": 2, "tensorboard": True, "mlflow_experiment": "sinks",
+                    **logging},
     })
 
 
@@ -207,9 +208,17 @@ def test_a_run_asking_for_tensorboard_without_it_stops_before_training(tmp_path,
     assert not (tmp_path / "run").exists()  # nothing trained, nothing left behind
 
 
+def test_logging_histogram_every_chooses_the_stats_records_that_carry_histograms(run):
+    # Stats every 4 iterations, histograms in every 2nd of those: iterations 8, 16, 24.
+    stats = [r for r in run["records"] if r["kind"] == "stats"]
+    assert [r["iteration"] for r in stats if "histograms" in r] == [8, 16, 24]
+    assert set(next(r for r in stats if "histograms" in r)["histograms"]) == set(LAYERS)
+
+
 @pytest.mark.parametrize("logging, where", [
     ({"stats_evry": 5}, "logging.stats_evry"),
     ({"stats_every": -1}, "logging.stats_every"),
+    ({"histogram_every": -1}, "logging.histogram_every"),
     ({"tensorboard": 3}, "logging.tensorboard"),
     ({"mlflow": ""}, "logging.mlflow"),
     ({"report": "yes"}, "logging.report"),

@@ -175,10 +175,17 @@ def test_spawned_workers_relay_worker_0s_stats_to_the_listener_in_this_process(m
     # Shared gradients: each step applies lr * the workers' mean gradient, which stays in .grad.
     with ParallelWrapper(model, workers=2, parallelism={"kind": "data", "sync": "shared_gradients"}) as wrapper:  # rounds: 2, 4, 6, 8
         wrapper.fit(MnistDataSetIterator(BATCH, train=True, seed=1, limit=256), epochs=1,
-                    listeners=[StatsListener(memory, frequency=3)])
+                    listeners=[StatsListener(memory, frequency=3, histogram_every=2)])
     assert memory.static[0]["workers"] == 2
     updates = memory.updates
     assert [r["iteration"] for r in updates] == [4, 6]  # passing 3 and 6
+    # histograms on the record passing 6: binned on worker 0's replica like the rest
+    assert "histograms" not in updates[0]
+    sizes = {name: sum(p.numel() for p in layer.parameters()) for name, layer in zip(LAYERS, model.module)}
+    assert list(updates[1]["histograms"]) == ["0_ConvolutionLayer", "2_DenseLayer", "3_OutputLayer"]
+    for name, kinds in updates[1]["histograms"].items():
+        assert list(kinds) == ["parameters", "gradients", "updates"], name
+        assert all(sum(histogram["counts"]) == sizes[name] for histogram in kinds.values()), name
     for record in updates:
         assert list(record["layers"]) == LAYERS and record["samples_per_second"] > 0
         for name in ("0_ConvolutionLayer", "2_DenseLayer", "3_OutputLayer"):

@@ -1,8 +1,11 @@
 """dl4py ui and dl4py report, looked at in a real headless browser (Debian's Chromium, driven
 by Playwright): the charts hold the runs' data, a running training's new epoch appears
 without a reload, and the reports of a run and of a sweep draw every chart with no error.
+Every axis reads well (at least four labelled y ticks, none overlapping, 1, 2 and 5 x 10^k on a
+log axis, the data off the frame) and a sweep table wider than the page scrolls inside its box:
+tested on runs written with known ranges, which need no training.
 
-The runs are real: a 2-point sweep (its two experiments are the finished runs) and a long
+The other tests' runs are real: a 2-point sweep (its two experiments are the finished runs) and a long
 `dl4py train` in a subprocess, paused after its first epoch, let go on once the page is open,
 and stopped once the page has shown it grow.
 DL4PY_DOCS_SCREENSHOTS=1 also saves docs/images/ui.png and docs/images/report.png.
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import re
 import shutil
@@ -352,3 +356,218 @@ def test_a_run_reads_as_running_until_its_result_and_again_once_resumed(tmp_path
     assert run.info()["status"] == "interrupted" and run.info()["result"]["epochs"] == 1
     os.utime(metrics, ns=(3_000_000_000, 3_000_000_000))  # --resume appends an epoch
     assert run.info()["status"] == "running"
+
+
+# -- the axes and the tables, on runs of known ranges -------------------------------------------
+#
+# Each run's statistics go from one end of a chosen range to the other, so the test knows what
+# each axis must show: the issue's narrow |parameter| range (0.08 to 0.1, where Chart.js's own
+# log ticks wrote "0.100" over "0.080"), many decades, a little over one decade, a constant.
+
+RANGES = {  # per stats field: (low, high) of its values
+    "typical": {"parameters": (0.08, 0.1), "gradients": (1e-6, 0.1), "activations": (0.012, 0.15),
+                "update_ratio": (2e-4, 5e-3), "learning_rate": (0.1, 0.1), "score": (0.2, 2.4)},
+    "extreme": {"parameters": (1.0e-5, 1.02e-5), "gradients": (1e-14, 100.0), "activations": (3.0, 3.0),
+                "update_ratio": (1e-3, 1e-3), "learning_rate": (1e-4, 1.0), "score": (1500.0, 1510.0)},
+}
+# What some y axes show at 1400 x 900; "parameters" is the issue's chart: Chart.js gave it two labels.
+EXPECTED = {
+    "typical": {"parameters": ["0.080", "0.085", "0.090", "0.095", "0.100"],
+                "gradients": ["1e-6", "1e-5", "1e-4", "1e-3", "0.01", "0.1"],  # five decades: whole ones
+                "activations": ["0.01", "0.02", "0.05", "0.1"],  # 1.1 decades: widened to hold four
+                "learning_rate": ["0.096", "0.098", "0.100", "0.102", "0.104"]},  # a constant: in the middle
+    "extreme": {"parameters": ["1.000e-5", "1.005e-5", "1.010e-5", "1.015e-5", "1.020e-5"],
+                "gradients": ["1e-12", "1e-9", "1e-6", "1e-3", "1"],  # 16 decades: every third
+                "learning_rate": ["1e-4", "1e-3", "0.01", "0.1", "1"]},
+}
+LOG_CHARTS = {"learning_rate", "parameters", "gradients", "activations"}  # drawn log when they span a decade
+# Every shown line or scatter chart's axes: their type and range, their labelled ticks (value,
+# label, pixel, drawn width) and the data's extremes.
+AXES = """() => Object.entries(DL4PY.charts).filter(([id, chart]) =>
+    chart.config.type !== "bar" && !document.getElementById("card-" + id).hidden).map(([id, chart]) => {
+  const axes = {};
+  for (const key of ["x", "y"]) {
+    const scale = chart.scales[key], font = scale._resolveTickFontOptions(0);
+    chart.ctx.save();
+    chart.ctx.font = font.string;
+    const ticks = scale.ticks.filter(t => t.label !== "" && t.label != null).map(t => ({
+      value: t.value, label: String(t.label), pixel: scale.getPixelForValue(t.value),
+      width: chart.ctx.measureText(String(t.label)).width}));
+    chart.ctx.restore();
+    const values = chart.data.datasets.filter((d, i) => chart.isDatasetVisible(i))
+      .flatMap(d => (d._data || d.data).map(p => p[key]));
+    axes[key] = {type: scale.type, min: scale.min, max: scale.max, ticks, lineHeight: font.lineHeight,
+                 low: Math.min(...values), high: Math.max(...values),
+                 lowPixel: scale.getPixelForValue(Math.min(...values)), minPixel: scale.getPixelForValue(scale.min),
+                 highPixel: scale.getPixelForValue(Math.max(...values)), maxPixel: scale.getPixelForValue(scale.max)};
+  }
+  return {id, axes};
+})"""
+
+
+def known_run(folder: Path, ranges: dict, records: int = 40) -> Path:
+    """A finished run of two layers whose statistics sweep ``ranges`` (evenly in log): the first
+    layer the lower half of each range, the second the upper half."""
+    run = folder / "run"
+    run.mkdir(parents=True)
+    layers = ["0_DenseLayer", "1_OutputLayer"]
+
+    def at(field, fraction):
+        low, high = ranges[field]
+        return low * (high / low) ** fraction
+
+    lines = [{"time": 0, "kind": "static", "workers": 1, "model": {"summary": "s", "parameters": 3, "layers": layers}}]
+    for i in range(records):
+        f = i / (records - 1)
+        lines.append({
+            "time": 0.1 * i, "kind": "stats", "iteration": 4 * i, "score": at("score", f),
+            "learning_rate": at("learning_rate", 1 - f), "samples_per_second": 1000.0 + 10 * i,
+            "memory": {"process_rss_bytes": (300 + i) * 2 ** 20},
+            "layers": {name: {field: at(field, (f + half) / 2) for field in ("parameters", "gradients", "activations",
+                                                                               "update_ratio")}
+                       for half, name in enumerate(layers)}})
+    for epoch in range(3):
+        lines.append({"time": 5 + epoch, "kind": "epoch", "epoch": epoch, "loss": 1.0 / (epoch + 1),
+                      "val_loss": 1.2 / (epoch + 1), "val_accuracy": 0.5 + 0.1 * epoch})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (run / "result.json").write_text(json.dumps({"status": "completed", "epochs": 3}))
+    return run
+
+
+def wide_sweep(folder: Path, keys: int = 16) -> Path:
+    """A finished sweep of three learning rates (two decades apart) and ``keys`` more swept keys
+    of long text values: a table wider than any screen."""
+    sweep = folder / "sweep"
+    experiments = []
+    for i, rate in enumerate(["0.001", "0.01", "0.3"]):
+        overrides = {"network.updater.learning_rate": rate,
+                     **{f"training.option_{k:02d}": f"a-long-choice-{k}-{i % 2}" for k in range(keys)}}
+        experiments.append({"name": f"{i + 1:03d}-learning_rate={rate}", "overrides": overrides})
+        run = sweep / experiments[-1]["name"]
+        run.mkdir(parents=True)
+        (run / "result.json").write_text(json.dumps({"status": "completed", "epochs": 1,
+                                                     "test_accuracy": 0.5 + 0.1 * i, "wall_seconds": 1.0 + i}))
+    grid = {key: sorted({e["overrides"][key] for e in experiments}) for key in experiments[0]["overrides"]}
+    (sweep / "sweep.json").write_text(json.dumps({
+        "version": 1, "config_name": "wide", "metric": "test_accuracy", "grid": grid, "random": None, "seed": 0,
+        "ranges": {}, "config": {}, "experiments": experiments}))
+    return sweep
+
+
+def is_one_two_five(value: float) -> bool:
+    mantissa = value / 10 ** math.floor(math.log10(value) + 1e-9)
+    return any(math.isclose(mantissa, m, rel_tol=1e-9) for m in (1, 2, 5))
+
+
+def check_axes(charts: list[dict]) -> None:
+    """Every chart: >= 4 labelled y ticks, labels that do not overlap and say their value (1, 2
+    or 5 x 10^k on a log axis), and the data strictly inside the axes, a few pixels off the frame."""
+    for chart in charts:
+        for key, axis in chart["axes"].items():
+            where = (chart["id"], key, axis["type"], [t["label"] for t in axis["ticks"]])
+            ticks = sorted(axis["ticks"], key=lambda t: t["pixel"])
+            labels = [t["label"] for t in ticks]
+            if key == "y":
+                assert len(ticks) >= 4, where
+            assert len(set(labels)) == len(labels), where
+            for tick in ticks:
+                if re.fullmatch(r"-?[0-9][0-9,]*(\.[0-9]+)?(e-?[0-9]+)?", tick["label"]) is None:
+                    continue  # a category's name (a swept value that is no number)
+                assert math.isclose(float(tick["label"].replace(",", "")), tick["value"], rel_tol=0.01,
+                                    abs_tol=1e-12), where
+                if axis["type"] == "logarithmic":
+                    assert is_one_two_five(tick["value"]), where
+            for before, after in zip(ticks, ticks[1:]):
+                room = axis["lineHeight"] if key == "y" else (before["width"] + after["width"]) / 2
+                assert after["pixel"] - before["pixel"] > room, where
+            assert axis["min"] < axis["low"] <= axis["high"] < axis["max"], where
+            assert abs(axis["lowPixel"] - axis["minPixel"]) >= 3 and abs(axis["maxPixel"] - axis["highPixel"]) >= 3, \
+                where
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", sorted(RANGES))
+def test_every_axis_has_enough_ticks_that_do_not_overlap_and_room_around_the_data(browser, tmp_path, case):
+    from dl4py.monitor.report import write_report
+
+    ranges = RANGES[case]
+    report = write_report(known_run(tmp_path, ranges))
+    with Page(browser, report.as_uri()) as tab:
+        charts = tab.page.evaluate(AXES)
+        assert tab.errors == []
+    shown = {chart["id"]: chart["axes"] for chart in charts}
+    assert set(shown) == {"score", "epoch_loss", "validation", "learning_rate", "throughput", "memory",
+                          "update_ratio", "parameters", "gradients", "activations"}
+    check_axes(charts)
+    for chart in LOG_CHARTS:  # log where the data spans a decade or more; under that, linear
+        low, high = ranges[chart]
+        assert shown[chart]["y"]["type"] == ("logarithmic" if high / low >= 10 else "linear"), chart
+    labels = {chart: [t["label"] for t in shown[chart]["y"]["ticks"]] for chart in EXPECTED[case]}
+    assert labels == EXPECTED[case]
+
+
+@pytest.mark.timeout(120)
+def test_a_wide_sweep_table_scrolls_inside_its_box_and_its_log_axis_ticks_are_1_2_5(browser, tmp_path):
+    from dl4py.monitor.report import write_report
+
+    report = write_report(wide_sweep(tmp_path))
+    with Page(browser, report.as_uri()) as tab:
+        page = tab.page
+        table = page.evaluate("""() => {
+          const box = document.querySelector("#sweep .scroll");
+          return {scrollWidth: box.scrollWidth, clientWidth: box.clientWidth, overflowX: getComputedStyle(box).overflowX,
+                  pageWidth: document.documentElement.scrollWidth, viewport: window.innerWidth,
+                  shaded: box.parentNode.classList.contains("more-right")};
+        }""")
+        assert table["overflowX"] == "auto" and table["scrollWidth"] > table["clientWidth"] + 200, table
+        assert table["pageWidth"] <= table["viewport"] and table["shaded"], table  # the page does not scroll
+        page.evaluate("() => { const box = document.querySelector('#sweep .scroll'); box.scrollLeft = box.scrollWidth; }")
+        page.wait_for_function("!document.querySelector('#sweep .table-box').classList.contains('more-right')")
+        ends = page.evaluate("""() => {
+          const box = document.querySelector("#sweep .scroll"), frame = box.getBoundingClientRect();
+          const first = box.querySelector("thead th:first-child").getBoundingClientRect();
+          const last = box.querySelector("thead th:last-child"), shown = last.getBoundingClientRect();
+          const hit = document.elementFromPoint(shown.left + shown.width / 2, shown.top + shown.height / 2);
+          return {text: last.textContent, hit: hit === last, firstLeft: first.left - frame.left,
+                  right: frame.right - shown.right, left: shown.left - frame.left};
+        }""")
+        assert ends["text"] == "status" and ends["hit"], ends  # the last column in view, on top
+        assert ends["left"] >= 0 and ends["right"] >= 0, ends
+        assert abs(ends["firstLeft"]) <= 1, ends  # the experiment column stays in view
+        charts = page.evaluate(AXES)
+        assert tab.errors == []
+    shown = {chart["id"]: chart["axes"] for chart in charts}
+    assert len([c for c in shown if c.startswith("sweep_")]) == 17
+    assert shown["sweep_0"]["x"]["type"] == "logarithmic"  # the learning rates: 0.001 to 0.3
+    assert [t["label"] for t in shown["sweep_0"]["x"]["ticks"]] == ["0.001", "0.002", "0.005", "0.01", "0.02",
+                                                                    "0.05", "0.1", "0.2"]
+    check_axes(charts)
+
+
+@pytest.mark.timeout(60)
+def test_a_live_chart_turns_log_once_its_data_spans_a_decade(browser, tmp_path):
+    from dl4py.monitor.server import UIServer
+
+    run = known_run(tmp_path, {**RANGES["typical"], "gradients": (0.01, 0.05)})
+    server = UIServer([run], port=0)
+    thread = threading.Thread(target=server.serve_forever, name="dl4py-ui-test")
+    thread.start()
+    try:
+        with Page(browser, server.url) as tab:
+            gradients = "DL4PY.charts.gradients.scales.y"
+            assert tab.page.evaluate(f"{gradients}.type") == "linear"  # 0.01 to 0.05: under a decade
+            records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+            last = [r for r in records if r["kind"] == "stats"][-1]
+            last["iteration"] += 4
+            last["layers"]["0_DenseLayer"]["gradients"] = 1e-4  # the next poll brings it
+            with open(run / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(last) + "\n")
+            tab.page.wait_for_function(f"{gradients}.type === 'logarithmic'", timeout=20_000)
+            assert tab.page.evaluate(f"{gradients}.ticks.map(t => t.label)") == [  # whole decades: only three
+                "1e-4", "2e-4", "5e-4", "1e-3", "2e-3", "5e-3", "0.01", "0.02", "0.05"]
+            check_axes(tab.page.evaluate(AXES))
+            assert tab.errors == []
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=30)

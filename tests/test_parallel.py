@@ -316,3 +316,20 @@ def test_ctrl_c_stops_every_worker():
     assert "interrupted: parallel training stopped by Ctrl-C; every worker was stopped" in output
     time.sleep(0.5)
     assert _session_processes(proc.pid) == []
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["averaging", "shared_gradients"])
+def test_history_training_accuracy_counts_every_workers_batches(mode):
+    # A learning rate far below float32's resolution of the weights leaves them as they are:
+    # every batch of every worker meets the initial model, so History's "accuracy" must be that
+    # model's accuracy on the whole training set (11 batches: worker 0 trains 6, worker 1 5).
+    x, y = toy(88)
+    config = mlp(lr=1e-12)
+    expected = MultiLayerNetwork(config).init().evaluate(ArrayDataSetIterator(x, y, batch_size=88)).accuracy()
+    net = MultiLayerNetwork(config)
+    options = {"averaging_frequency": 2} if mode == "averaging" else {}
+    history = ParallelWrapper(net, workers=2, parallelism=ParallelPlan.from_training_mode(mode), **options).fit(
+        ArrayDataSetIterator(x, y, batch_size=8, shuffle=False), epochs=2, verbose=0)
+    assert history.history["accuracy"] == [pytest.approx(expected, abs=1e-12)] * 2
+    assert 0.1 < expected < 0.9  # an untrained model: the count is not trivially all or none

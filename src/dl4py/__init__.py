@@ -56,6 +56,9 @@ _EXPORTS = {
     "dl4py.train": ("TrainingInterrupted",),
     "dl4py.train.keras_callbacks": ("EarlyStopping", "ModelCheckpoint"),
     "dl4py.inference": ("ParallelInference",),
+    "dl4py.monitor.server": ("UIServer",),  # DL4J's UIServer.getInstance(): UIServer.get_instance()
+    "dl4py.monitor.mlflow_model": ("log_mlflow_model", "save_mlflow_model"),
+    "dl4py.monitor.wandb_storage": ("WandbStatsStorage",),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_MODULE_OF)

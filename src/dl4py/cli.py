@@ -5,7 +5,7 @@
                             [--training-mode averaging|shared_gradients|sharded|tensor|hybrid] [--accumulate-batches K]
                             [--launcher spawn|torchrun|spark] [--spark-master URL]
                             [--output DIR] [--resume] [--set key=value ...]
-                            [--verbose 0|1|2 | --no-progress]
+                            [--verbose 0|1|2 | --no-progress] [--ui [--ui-port N] [--ui-keep]]
     dl4py evaluate MODEL [--config CONFIG] [--limit N] [--backend B] [--precision P] [--json]
     dl4py summary CONFIG
     dl4py schema [--output FILE]
@@ -17,6 +17,7 @@
                              [--parallelism data|sharded --workers N]
                              [--device-memory 80GB | --device cuda:0|cpu] [--json]
     dl4py sweep CONFIG.yaml --grid key=v1,v2,... [--random N --range key=lo:hi[:log]]
+                            [--sampler grid|random|tpe --trials N --prune median|none]
                             [--devices all|cpu|0,1] [--per-device K] [--metric M]
                             [--output DIR] [--resume] [--set key=value ...]
     dl4py bench [overhead|throughput|time-to-accuracy|all] [--device auto|cpu|gpu] [--quick]
@@ -37,13 +38,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import shlex
 import signal
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
+from dl4py.console_logging import configure_console_logging
 from dl4py.errors import DL4PyError
 from dl4py.version import __version__
 
@@ -76,6 +78,12 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue the run in --output from its checkpoint")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override any config key, e.g. --set network.updater.learning_rate=0.02")
+    train.add_argument("--ui", action="store_true",
+                       help="serve the training UI (dl4py ui) on the run while it trains; it stops when training ends")
+    train.add_argument("--ui-port", type=_port, metavar="N",
+                       help="with --ui: its port (default 9000, or a free one when 9000 is taken; 0: any free port)")
+    train.add_argument("--ui-keep", action="store_true",
+                       help="with --ui: once training completes, keep serving the page until Ctrl-C")
     shown = train.add_mutually_exclusive_group()
     shown.add_argument("--verbose", type=int, choices=[0, 1, 2],
                        help="what the console shows: 0 nothing, 1 a progress bar, 2 a line per epoch "
@@ -133,8 +141,15 @@ def _parser() -> argparse.ArgumentParser:
                        help="values of one config key; several --grid give their product")
     sweep.add_argument("--random", type=int, metavar="N", help="draw N points instead of the whole grid")
     sweep.add_argument("--range", dest="ranges", action="append", default=[], metavar="KEY=LO:HI[:log]",
-                       help="with --random: an interval to sample, log-uniformly with :log")
-    sweep.add_argument("--seed", type=int, default=0, help="seed of --random")
+                       help="with --random or --sampler tpe: an interval to sample, log-uniformly with :log")
+    sweep.add_argument("--seed", type=int, default=0, help="seed of --random, or of --sampler tpe")
+    sweep.add_argument("--sampler", choices=("grid", "random", "tpe"),
+                       help="grid: every point (default); random: --random N points; tpe: an Optuna study "
+                            "choosing --trials N points from the results so far (pip install \"dl4py[optuna]\")")
+    sweep.add_argument("--trials", type=int, metavar="N", help="with --sampler tpe: the number of experiments")
+    sweep.add_argument("--prune", choices=("median", "none"),
+                       help="with --sampler tpe: stop an experiment whose validation score, epoch by epoch, is "
+                            "below the median of the other trials' (Optuna's MedianPruner)")
     sweep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config key in every experiment")
     sweep.add_argument("--devices", default="all", help="all (the GPUs, else the CPU), cpu, or GPU indices 0,1")
@@ -282,7 +297,7 @@ def _reader_gone() -> int:
 def _main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     args.argv = argv  # the command as typed, for the one that continues an interrupted run
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    configure_console_logging(sys.stderr)
     debug = args.debug or os.environ.get("DL4PY_DEBUG", "") not in ("", "0")
     commands = {"train": _train, "evaluate": _evaluate, "summary": _summary, "schema": _schema, "completion": _completion, "info": _info, "doctor": _doctor,
                 "sweep": _sweep, "memory": _memory, "bench": _bench, "ui": _ui, "report": _report,
@@ -338,26 +353,45 @@ def _train(args) -> int:
     }
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + args.overrides
     config = config.with_overrides(overrides)
-    try:
-        result = train_run(
-            config, output=args.output, resume=args.resume, config_name=args.config.stem,
-            progress=0 if args.no_progress else args.verbose, launcher=args.launcher,
-            spark_master=args.spark_master,
-        )
-    except TrainingInterrupted as exc:
-        print(f"dl4py train: {exc}", file=sys.stderr)
-        if exc.run_dir is not None and (Path(exc.run_dir) / CHECKPOINT).is_file():
-            print(f"dl4py train: to continue: {_resume_command(args.argv, exc.run_dir)}", file=sys.stderr)
-        return 130
-    if os.environ.get("RANK", "0") != "0" and result.get("launcher") == "torchrun":
-        return 0  # rank 0 tells of the run it wrote
-    accuracy = result.get("test_accuracy")
-    print(json.dumps({k: result[k] for k in ("run_dir", "test_accuracy", "epochs", "train_samples_per_second", "wall_seconds")}))
-    if accuracy is not None:
-        epochs = result["epochs"]
-        print(f"test accuracy {accuracy:.4f} after {epochs} epoch{'' if epochs == 1 else 's'}; "
-              f"run directory {result['run_dir']}", file=sys.stderr)
+    with _training_ui(args) as ui:  # None without --ui
+        try:
+            result = train_run(
+                config, output=args.output, resume=args.resume, config_name=args.config.stem,
+                progress=0 if args.no_progress else args.verbose, launcher=args.launcher,
+                spark_master=args.spark_master, on_run_dir=None if ui is None else ui.show,
+            )
+        except TrainingInterrupted as exc:
+            print(f"dl4py train: {exc}", file=sys.stderr)
+            if exc.run_dir is not None and (Path(exc.run_dir) / CHECKPOINT).is_file():
+                print(f"dl4py train: to continue: {_resume_command(args.argv, exc.run_dir)}", file=sys.stderr)
+            return 130
+        if os.environ.get("RANK", "0") != "0" and result.get("launcher") == "torchrun":
+            return 0  # rank 0 tells of the run it wrote
+        accuracy = result.get("test_accuracy")
+        print(json.dumps({k: result[k] for k in ("run_dir", "test_accuracy", "epochs", "train_samples_per_second", "wall_seconds")}), flush=True)
+        if accuracy is not None:
+            epochs = result["epochs"]
+            print(f"test accuracy {accuracy:.4f} after {epochs} epoch{'' if epochs == 1 else 's'}; "
+                  f"run directory {result['run_dir']}", file=sys.stderr)
+        if ui is not None:
+            ui.completed()  # with --ui-keep: serves on until Ctrl-C
     return 0
+
+
+def _training_ui(args):
+    """``--ui``'s server (``monitor/training_ui.py``), bound before training starts; a
+    ``with`` of None without ``--ui`` and on a torchrun rank other than 0 (rank 0 serves)."""
+    from dl4py.errors import ConfigError
+    from dl4py.monitor.training_ui import TrainingUI
+
+    if not args.ui:
+        for flag, given in (("--ui-port", args.ui_port is not None), ("--ui-keep", args.ui_keep)):
+            if given:
+                raise ConfigError(flag, "applies with --ui only (dl4py train CONFIG --ui ...)")
+        return nullcontext()
+    if os.environ.get("RANK", "0") != "0":
+        return nullcontext()
+    return TrainingUI(args.ui_port, args.ui_keep, announce=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def _resume_command(argv: list[str], run_dir) -> str:
@@ -383,7 +417,7 @@ def _sweep(args) -> int:
         result = sweep.run(
             args.config, grid=args.grid, ranges=args.ranges, random=args.random, seed=args.seed,
             overrides=args.overrides, devices=args.devices, per_device=args.per_device, metric=args.metric,
-            output=args.output, resume=args.resume,
+            output=args.output, resume=args.resume, sampler=args.sampler, trials=args.trials, prune=args.prune,
         )
     except sweep.SweepInterrupted as exc:
         print(f"dl4py sweep: {exc}", file=sys.stderr)

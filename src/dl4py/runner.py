@@ -88,6 +88,7 @@ def train_run(
     progress: bool | int | str | None = None,
     launcher: str | None = None,
     spark_master: str | None = None,
+    on_run_dir=None,
 ) -> dict:
     """Train as ``config`` says, record everything in the run directory, return ``result.json``'s content.
 
@@ -97,11 +98,13 @@ def train_run(
     directory behind that it created. ``launcher``: who starts the ranks of a parallel
     run, ``spawn``, ``torchrun`` or ``spark`` (on ``spark_master``); see ``launchers.py``.
     ``progress``: the console output, as ``fit``'s ``verbose``: 0 (False) none, 1 (True) a
-    progress bar, 2 a line per epoch, None or "auto" a bar on a terminal, else lines."""
+    progress bar, 2 a line per epoch, None or "auto" a bar on a terminal, else lines.
+    ``on_run_dir(run_dir)``: called once the run directory is made and locked, before the
+    data is read, in the process that writes it (``dl4py train --ui`` shows it there)."""
     launch, config = choose_launcher(launcher, spark_master, config)
     if launch.rank != 0:
         return _train_beside_rank0(config, output, resume, config_name, launch)
-    return _train_run(config, output, resume, config_name, progress, launch)
+    return _train_run(config, output, resume, config_name, progress, launch, on_run_dir)
 
 
 def _train_beside_rank0(config: RunConfig, output, resume: bool, config_name: str, launch) -> dict:
@@ -122,11 +125,14 @@ def _train_beside_rank0(config: RunConfig, output, resume: bool, config_name: st
         return _train_run(config, private, resume, config_name, False, launch)
 
 
-def _train_run(config: RunConfig, output, resume: bool, config_name: str, progress, launch) -> dict:
+def _train_run(config: RunConfig, output, resume: bool, config_name: str, progress, launch,
+               on_run_dir=None) -> dict:
     started = time.perf_counter()
     run_dir, lock, created = prepare_run_dir(output, resume, config_name)
     record = RunRecord(run_dir, config, started)
     try:
+        if on_run_dir is not None:
+            on_run_dir(run_dir)
         return _train_locked(config, run_dir, resume, progress, record, launch)
     except TrainingInterrupted as exc:
         _end_logging(record, exc)

@@ -314,18 +314,24 @@ class EnvironmentConfig(ConfigBase):
 @dataclass(frozen=True)
 class LoggingConfig(ConfigBase):
     """``logging``: what a run records as it trains (docs/monitoring.md). ``metrics.jsonl`` in
-    the run directory always gets the StatsListener's records; TensorBoard event files and an
-    MLflow run are added on request."""
+    the run directory always gets the StatsListener's records; TensorBoard event files, an
+    MLflow run and a W&B run are added on request."""
 
     stats_every: int = 10  # iterations between stats records: score, update ratios, memory (0: none)
+    histogram_every: int = 10  # stats records between parameter/gradient/update histograms (0: none)
     tensorboard: bool | str = False  # true: RUN_DIR/tensorboard; or a folder of one's own
     mlflow: Optional[str] = None  # a tracking URI: sqlite:///mlflow.db, http://127.0.0.1:5000, a folder
     mlflow_experiment: str = "dl4py"
+    wandb: Optional[str] = None  # a W&B project name: the run's W&B run, its files in RUN_DIR/wandb
+    wandb_mode: Optional[Literal["online", "offline", "disabled"]] = None  # null: WANDB_MODE, else online
     report: bool = True  # write RUN_DIR/report.html when the run completes
 
     def validate(self, where: str) -> None:
         if self.stats_every < 0:
             raise ConfigError(join(where, "stats_every"), f"must be zero or more iterations, got {self.stats_every}")
+        if self.histogram_every < 0:
+            raise ConfigError(join(where, "histogram_every"),
+                              f"must be zero or more stats records, got {self.histogram_every}")
         if isinstance(self.tensorboard, str) and not self.tensorboard.strip():
             raise ConfigError(join(where, "tensorboard"), "must be true, false or a folder, got an empty string")
         if self.mlflow is not None and not self.mlflow.strip():
@@ -333,6 +339,8 @@ class LoggingConfig(ConfigBase):
                                                      "got an empty string")
         if not self.mlflow_experiment.strip():
             raise ConfigError(join(where, "mlflow_experiment"), "must name an MLflow experiment, got an empty string")
+        if self.wandb is not None and not self.wandb.strip():
+            raise ConfigError(join(where, "wandb"), "must name a W&B project or be null, got an empty string")
 
 
 @dataclass(frozen=True)

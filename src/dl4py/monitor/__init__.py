@@ -7,6 +7,7 @@ from dl4py.monitor.report import write_report
 from dl4py.monitor.server import UIServer
 from dl4py.monitor.storage import FileStatsStorage, InMemoryStatsStorage, StatsStorage
 from dl4py.monitor.tensorboard import TensorBoardStatsStorage
+from dl4py.monitor.wandb_storage import WandbStatsStorage
 
 __all__ = ["FileStatsStorage", "InMemoryStatsStorage", "MLflowStatsStorage", "StatsListener", "StatsStorage",
-           "TensorBoardStatsStorage", "UIServer", "write_report"]
+           "TensorBoardStatsStorage", "UIServer", "WandbStatsStorage", "write_report"]

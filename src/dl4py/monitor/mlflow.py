@@ -8,6 +8,7 @@
         model.fit(train, epochs=2, listeners=[StatsListener(storage)])
         model.save("model.dl4py")
         storage.log_artifact("model.dl4py")
+        storage.log_model("model.dl4py")   # an MLflow Model too: runs:/<run_id>/model
 
 Everything goes through an explicit ``MlflowClient`` and the run's id, never MLflow's
 global "active run", so it works beside runs a user's own code has open. Needs the
@@ -22,6 +23,7 @@ import re
 import time
 from pathlib import Path
 
+from dl4py.console_logging import route_foreign_loggers
 from dl4py.errors import ConfigError, MissingDependencyError
 from dl4py.monitor.scalars import epoch_scalars, evaluation_scalars, update_scalars
 from dl4py.monitor.storage import StatsStorage
@@ -136,6 +138,16 @@ class MLflowStatsStorage(StatsStorage):
         """Copy a file (a model, ``evaluation.txt``, ``report.html``) into the run's artifacts."""
         self.client.log_artifact(self.run_id, str(path), artifact_path)
 
+    def log_model(self, model_file: str | Path, name: str = "model", registered_model_name: str | None = None) -> str:
+        """Add a saved model (``model.dl4py``) to the run as an MLflow Model (the
+        ``python_function`` flavour: ``dl4py.monitor.mlflow_model``) in the folder ``name`` of its
+        artifacts; ``registered_model_name``: also a new version of that registered model.
+        Returns the model's URI, ``runs:/<run_id>/model``, for ``mlflow.pyfunc.load_model`` and
+        ``mlflow models serve -m``."""
+        from dl4py.monitor.mlflow_model import log_mlflow_model  # lazy: mlflow.pyfunc is heavy, and only this needs it
+
+        return log_mlflow_model(model_file, self.run_id, self.tracking_uri, name, registered_model_name)
+
     def flush(self) -> None:
         """Send the metrics queued so far."""
         pending, self._pending, self._sent = self._pending, [], time.monotonic()
@@ -168,9 +180,11 @@ class MLflowStatsStorage(StatsStorage):
 
 def _require_mlflow() -> None:
     try:
-        import mlflow  # optional: mlflow (extra mlflow)  # noqa: F401
+        import mlflow  # optional: mlflow (extra mlflow)
     except ImportError:  # also when sys.modules["mlflow"] is None
         raise MissingDependencyError("MLflow logging", "mlflow", "mlflow") from None
+    del mlflow  # only whether it imports was asked
+    route_foreign_loggers()  # its import gave its loggers handlers of their own: a command's console has one format
 
 
 def _experiment_id(client, name: str) -> str:

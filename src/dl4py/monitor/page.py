@@ -32,13 +32,15 @@ _SCRIPT_ESCAPES = {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\
 
 def page_data(runs: list[RunFolder], sweep: SweepFolder | None, title: str,
               offsets: list[int] | None = None, max_bytes: int | None = MAX_READ_BYTES) -> dict:
-    """What the page draws: each run's info, its metrics from ``offsets`` on (0 where not
-    given; each series thinned to ``points``, the most the page keeps), and the sweep's table."""
+    """What the page draws: each run's info (with its ``key``: a live page starts a run afresh
+    when another takes its place in the list), its metrics from ``offsets`` on (0 where not
+    given; each series thinned to ``points``, the most the page keeps), and the sweep's table.
+    ``runs``: ``RunFolder``s, or ``MemoryRun``s of the storages attached to a ``UIServer``."""
     offsets = list(offsets or [])
     offsets += [0] * (len(runs) - len(offsets))
     return {
         "title": title, "points": SERIES_POINTS,
-        "runs": [run.info() for run in runs],
+        "runs": [{**run.info(), "key": run.key} for run in runs],
         "sweep": sweep.info() if sweep is not None else None,
         "metrics": [run.metrics(offset, max_bytes, SERIES_POINTS).to_dict() for run, offset in zip(runs, offsets)],
     }

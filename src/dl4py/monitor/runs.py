@@ -26,6 +26,7 @@ import yaml
 
 from dl4py.config import RunConfig
 from dl4py.errors import ConfigError
+from dl4py.folders import LOCK_FILE
 from dl4py.monitor.bounded import (MAX_FILE_BYTES, MAX_LINE_BYTES, MAX_TEXT_BYTES, SERIES_POINTS, Series,
                                    lines_before, read_capped, size_text, whole_lines)
 from dl4py.nn.summary import summary_table
@@ -63,6 +64,7 @@ class MetricsChunk:
     seen: dict[str, int] = field(default_factory=dict)  # records read of each series kind, kept or not
     skipped: list[tuple[int, int]] = field(default_factory=list)  # (line number, bytes), the first few
     skipped_count: int = 0  # lines over MAX_LINE_BYTES, all of them
+    source: str = METRICS  # what the skipped lines are lines of, for the note
 
     def skip_note(self, where: str) -> str | None:
         """One sentence naming the skipped lines of file ``where``, or None."""
@@ -74,7 +76,7 @@ class MetricsChunk:
                 f"{size_text(MAX_LINE_BYTES)} a record may be: skipped")
 
     def to_dict(self) -> dict:
-        note = self.skip_note(METRICS)
+        note = self.skip_note(self.source)
         return {"records": self.records, "offset": self.offset, "reset": self.reset, "more": self.more,
                 "seen": self.seen, "notes": [note] if note else []}
 
@@ -94,26 +96,42 @@ def read_metrics(path: Path, offset: int = 0, max_bytes: int | None = MAX_READ_B
         reset = size < offset
         start = 0 if reset else offset
         f.seek(start)
-        series = {kind: Series(1 if kind in LAST_ONLY else points) for kind in KINDS}
         chunk = MetricsChunk(offset=start, reset=reset)
-        for order, (line, length) in enumerate(whole_lines(f)):
-            chunk.offset += length
-            if line is None:
-                chunk.skipped_count += 1
-                if len(chunk.skipped) < _SKIPPED_NAMED:
-                    chunk.skipped.append((order + 1, length))  # made absolute below
-            elif (record := _parse_line(line)) is not None:
-                series[record["kind"]].add(order, record, length)
-            if max_bytes is not None and chunk.offset - start >= max_bytes:
-                chunk.more = chunk.offset < size
-                break
+        _, read, full = take_records(whole_lines(f), chunk, max_bytes, points)
+        chunk.offset = start + read
+        chunk.more = full and chunk.offset < size
     if chunk.skipped:
         before = lines_before(path, start)
         chunk.skipped = [(before + line, length) for line, length in chunk.skipped]
+    return chunk
+
+
+def take_records(lines, chunk: MetricsChunk, max_bytes: int | None = MAX_READ_BYTES,
+                 points: int = SERIES_POINTS) -> tuple[int, int, bool]:
+    """Fill ``chunk``'s records, ``seen`` and skipped lines from ``(line, length)`` pairs
+    (``whole_lines``: line None for one over ``MAX_LINE_BYTES``), each series kind thinned
+    to ``points``, until about ``max_bytes`` were read (None: all of them). The skipped
+    lines are numbered from 1 at the first pair. Returns the lines taken, their bytes, and
+    whether ``max_bytes`` stopped the reading."""
+    series = {kind: Series(1 if kind in LAST_ONLY else points) for kind in KINDS}
+    taken = read = 0
+    full = False
+    for order, (line, length) in enumerate(lines):
+        taken += 1
+        read += length
+        if line is None:
+            chunk.skipped_count += 1
+            if len(chunk.skipped) < _SKIPPED_NAMED:
+                chunk.skipped.append((order + 1, length))
+        elif (record := _parse_line(line)) is not None:
+            series[record["kind"]].add(order, record, length)
+        if max_bytes is not None and read >= max_bytes:
+            full = True
+            break
     chunk.records = [record for _, record in sorted((kept for s in series.values() for kept in s.kept()),
                                                     key=lambda kept: kept[0])]  # file order
     chunk.seen = {kind: s.seen for kind, s in series.items() if kind not in LAST_ONLY}
-    return chunk
+    return taken, read, full
 
 
 def _parse_line(line: bytes) -> dict | None:
@@ -121,7 +139,10 @@ def _parse_line(line: bytes) -> dict | None:
         record = _DECODER.decode(line.decode("utf-8"))
     except ValueError:  # a line torn by a crash, then appended to by --resume; not UTF-8
         return None
-    return record if isinstance(record, dict) and record.get("kind") in KINDS else None
+    if not isinstance(record, dict) or record.get("kind") not in KINDS:
+        return None
+    record.pop("histograms", None)  # the page draws none (TensorBoard and W&B do): its polls stay small
+    return record
 
 
 def read_json(path: Path, notes: dict[str, str] | None = None) -> dict | None:
@@ -146,10 +167,14 @@ def is_sweep_dir(path: Path) -> bool:
 class RunFolder:
     """One run directory as the page sees it. The model summary is worked out once."""
 
-    def __init__(self, path: Path, name: str | None = None, label: str | None = None):
+    def __init__(self, path: Path, name: str | None = None, label: str | None = None,
+                 metrics_path: Path | None = None):
         self.path = Path(path)
         self.name = name or self.path.name
         self.label = label  # a sweep's experiment: its swept values
+        # A FileStatsStorage attached to the UI may write a file of another name.
+        self.metrics_path = Path(metrics_path) if metrics_path is not None else self.path / METRICS
+        self.key = str(self.metrics_path)  # which run the page holds at a place in its list
         self._model: dict | None = None
         # What was logged already: each poll (and a reload) reads the same files again.
         self._told_files: set[str] = set()
@@ -158,9 +183,9 @@ class RunFolder:
     def metrics(self, offset: int = 0, max_bytes: int | None = MAX_READ_BYTES,
                 points: int = SERIES_POINTS) -> MetricsChunk:
         """``metrics.jsonl`` from ``offset`` (``read_metrics``); skipped lines are logged once."""
-        chunk = read_metrics(self.path / METRICS, offset, max_bytes, points)
+        chunk = read_metrics(self.metrics_path, offset, max_bytes, points)
         if chunk.skipped and chunk.skipped[-1][0] > self._told_line:
-            log.warning("dl4py: %s", chunk.skip_note(str(self.path / METRICS)))
+            log.warning("dl4py: %s", chunk.skip_note(str(self.metrics_path)))
             self._told_line = chunk.skipped[-1][0]
         return chunk
 
@@ -185,7 +210,7 @@ class RunFolder:
     def _status(self, result: dict | None) -> str:
         """result.json's status, written when a run ends however it ends; "running" before
         that, and again once a resumed run appends to metrics.jsonl after it."""
-        metrics = _mtime(self.path / METRICS)
+        metrics = _mtime(self.metrics_path)
         if result is None or not isinstance(result.get("status"), str):
             return "running" if metrics is not None else ("starting" if self.path.is_dir() else "pending")
         ended = _mtime(self.path / "result.json")
@@ -208,7 +233,7 @@ class RunFolder:
     def _has_static_record(self) -> bool:
         """Whether metrics.jsonl starts with a ``static`` record (written at fit start, so the
         first lines hold it)."""
-        chunk = read_metrics(self.path / METRICS, 0, max_bytes=STATIC_SEARCH_BYTES)
+        chunk = read_metrics(self.metrics_path, 0, max_bytes=STATIC_SEARCH_BYTES)
         return any(record["kind"] == "static" for record in chunk.records)
 
 
@@ -282,11 +307,11 @@ def _value(text):
 def open_folders(paths: list[Path], waiting: bool = False) -> tuple[list[RunFolder], SweepFolder | None]:
     """The run directories named, or the one sweep folder; a path that is neither is a
     ConfigError naming it. ``waiting`` (the live UI): a path that does not exist yet, or an
-    empty folder, is a run about to start (``dl4py train ... & dl4py ui RUN``), shown as
-    pending until its files appear."""
+    empty folder (but for the lock of the training that made it), is a run about to start
+    (``dl4py train ... & dl4py ui RUN``), shown as pending until its files appear."""
     runs, sweeps = [], []
     for path in map(Path, paths):
-        if waiting and (not path.exists() or (path.is_dir() and not any(path.iterdir()))):
+        if waiting and (not path.exists() or (path.is_dir() and _holds_nothing(path))):
             runs.append(path)
             continue
         if not path.exists():
@@ -304,6 +329,10 @@ def open_folders(paths: list[Path], waiting: bool = False) -> tuple[list[RunFold
     if sweeps:
         return sweeps[0].runs, sweeps[0]
     return [RunFolder(path, name) for path, name in zip(runs, _names(runs))], None
+
+
+def _holds_nothing(folder: Path) -> bool:
+    return all(entry.name == LOCK_FILE for entry in folder.iterdir())
 
 
 def _names(paths: list[Path]) -> list[str]:

@@ -11,10 +11,21 @@ MLflow metric keys, so a chart has the same name in both tools.
 
 Values that are not known (null) are left out; NaN and infinity are kept, as a diverged
 loss is worth seeing.
+
+For TensorBoard also, from a "stats" record: ``update_ratio_log10/<layer>`` (log10 of the
+update:parameter ratio; a ratio of 0 has none) with the guide ``update_ratio_log10_guide``
+at -3 (DL4J's rule of thumb: an update about 1e-3 of the parameter) at the same steps, and,
+where the record carries ``histograms``, ``histogram/<kind>/<layer>`` (kind ``parameters``,
+``gradients``, ``updates``).
 """
 
 from __future__ import annotations
 
+import math
+
+RATIO_LOG10 = "update_ratio_log10"
+RATIO_GUIDE_TAG = "update_ratio_log10_guide"  # no "/": no layer's tag can be it
+RATIO_GUIDE = -3.0
 LAYER_STATS = ("update_ratio", "parameters", "gradients", "updates", "activations")
 _BOOKKEEPING = ("kind", "time", "epoch", "iteration", "completed")  # not charted
 
@@ -33,6 +44,24 @@ def update_scalars(record: dict) -> list[tuple[str, float]]:
     for layer, stats in (record.get("layers") or {}).items():
         named += [(f"{stat}/{layer}", stats.get(stat)) for stat in LAYER_STATS]
     return _known(named)
+
+
+def ratio_log10_scalars(record: dict) -> list[tuple[str, float]]:
+    """log10 of each layer's update:parameter ratio in a "stats" record, and the guide at -3
+    when there is any (charted against ``record["iteration"]``)."""
+    named = []
+    for layer, stats in (record.get("layers") or {}).items():
+        ratio = _number(stats.get("update_ratio"))
+        if ratio is not None and not ratio <= 0:  # 0 (no update) has no logarithm; NaN stays NaN
+            named.append((f"{RATIO_LOG10}/{layer}", math.log10(ratio)))
+    return named + [(RATIO_GUIDE_TAG, RATIO_GUIDE)] if named else []
+
+
+def histograms(record: dict) -> list[tuple[str, dict]]:
+    """``(histogram/<kind>/<layer>, {"min", "max", "counts", "sum", "sum_squares"})`` for each
+    histogram a "stats" record carries (none for most: ``StatsListener(histogram_every=)``)."""
+    return [(f"histogram/{kind}/{layer}", histogram)
+            for layer, kinds in (record.get("histograms") or {}).items() for kind, histogram in kinds.items()]
 
 
 def epoch_scalars(record: dict) -> list[tuple[str, float]]:

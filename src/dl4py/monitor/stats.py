@@ -9,8 +9,9 @@ At each fit's start a "static" record: the model's summary, parameter count and 
 names, the environment (backend, device, precision, versions) and the number of workers.
 Every ``frequency`` iterations a "stats" record (``collector.py``: score, learning rate,
 samples/s, memory, and per layer the mean absolute parameter, gradient, update and
-activation with DL4J's update:parameter ratio). At each epoch's end an "epoch" record:
-History's keys, validation metrics included when the fit has validation data.
+activation with DL4J's update:parameter ratio; every ``histogram_every``-th of them also
+the histograms of each layer's parameters, gradients and updates). At each epoch's end an
+"epoch" record: History's keys, validation metrics included when the fit has validation data.
 
 With a ParallelWrapper's spawned workers the listener runs in this process on worker 0's
 relayed events, where the model holds only the last epoch's state; worker 0 runs the
@@ -40,15 +41,19 @@ class StatsListener(TrainingListener):
 
     ``frequency``: iterations between "stats" records (0: none, only the static and epoch
     records). ``score_every``: also an "iteration" record (the score alone) every that many
-    iterations (0: none). The listener starts its storages at each fit's start and flushes
-    them at its end; closing them is their owner's business (``close()`` closes them all).
-    ``write(record)`` adds a record of one's own (an evaluation) to every storage."""
+    iterations (0: none). ``histogram_every``: every that many "stats" records (those at the
+    iterations passing multiples of ``frequency * histogram_every``) carry ``histograms``:
+    per layer, 20-bin histograms of its parameters, gradients and updates (0: none). The
+    listener starts its storages at each fit's start and flushes them at its end; closing
+    them is their owner's business (``close()`` closes them all). ``write(record)`` adds a
+    record of one's own (an evaluation) to every storage."""
 
-    def __init__(self, storage, frequency: int = 10, score_every: int = 0):
+    def __init__(self, storage, frequency: int = 10, score_every: int = 0, histogram_every: int = 10):
         self.storages = _storages(storage)
         self.frequency = _count_setting("frequency", frequency)
         self.score_every = _count_setting("score_every", score_every)
-        self._collector = StatsCollector(self.frequency)
+        self.histogram_every = _count_setting("histogram_every", histogram_every, "stats records")
+        self._collector = StatsCollector(self.frequency, self.histogram_every)
         self._count = _Count()
         self._relayed = False  # this fit's stats come from worker 0 (receive), not from the model here
         self._workers = 1
@@ -93,7 +98,7 @@ class StatsListener(TrainingListener):
         that fit ends, this listener writes the records the part sends (``receive``) instead
         of reading the model here."""
         self._relayed, self._workers = True, workers
-        return StatsCollector(self.frequency)
+        return StatsCollector(self.frequency, self.histogram_every)
 
     def receive(self, records: list[dict]) -> None:
         """"stats" records made by the collecting part."""
@@ -138,9 +143,9 @@ def _storages(storage) -> list[StatsStorage]:
     return storages
 
 
-def _count_setting(name: str, value) -> int:
+def _count_setting(name: str, value, counted: str = "iterations") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"StatsListener: {name} must be a whole number of iterations (0: none), got {value!r}")
+        raise ValueError(f"StatsListener: {name} must be a whole number of {counted} (0: none), got {value!r}")
     return value
 
 

@@ -82,7 +82,7 @@ def run_rank(rank: int, world: int, spec: WorkerSpec, source, *, should_stop=Non
         condition.initialize()  # MaxTime counts from here, in this process
     try:
         for _ in range(spec.epochs):
-            summary = run_epoch(replica, meeting, listeners)
+            summary = run_epoch(replica, meeting, listeners, spec.training_accuracy)
             report.summaries.append(summary)
             if report.stop is not None or not summary.completed:
                 break  # an iteration condition fired, or a stop was asked for: all stopped in the same round

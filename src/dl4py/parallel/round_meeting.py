@@ -218,12 +218,14 @@ class RoundMeeting:
 
     # -- the epoch's end ----------------------------------------------------------------
     def close(self, replica, tally):
-        totals = torch.tensor([tally.examples, tally.batches, float(tally.loss_sum)], dtype=torch.float64,
-                              device=self.device)
+        right, judged = tally.accuracy.counts() if tally.accuracy is not None else (0, 0)
+        totals = torch.tensor([tally.examples, tally.batches, float(tally.loss_sum), right, judged],
+                              dtype=torch.float64, device=self.device)
         collectives.all_reduce(totals)
         if self.ranks > self.world:  # tensor parallel: each rank of a tensor group counted the same batches
             totals /= self.ranks // self.world
         all_examples, all_batches, all_loss = int(totals[0]), int(totals[1]), float(totals[2])
+        accuracy = float(totals[3] / totals[4]) if totals[4] > 0 else None  # every worker's training batches
         skipped = tally.skipped_steps
         if skipped is not None:  # the replica that skipped most (in shared-gradients mode all skip alike)
             most = torch.tensor([float(skipped)], device=self.device)
@@ -249,7 +251,7 @@ class RoundMeeting:
         else:
             position = self.start + all_batches  # where a resumed run continues
         replica.training_state.advance(all_batches, position=position)
-        return tally.summary(completed, all_batches, all_examples, all_loss, skipped)  # every worker's counted
+        return tally.summary(completed, all_batches, all_examples, all_loss, skipped, accuracy)  # every worker's counted
 
 
 def _iteration_stop(conditions, last_loss, mine: bool, device) -> str | None:

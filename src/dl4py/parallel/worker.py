@@ -50,6 +50,7 @@ class WorkerSpec:
     # send it their records from this level up, and make none below it.
     log_level: int = field(default_factory=lambda: logging.getLogger("dl4py").getEffectiveLevel())
     accumulate_batches: int = 1  # the model's: batches (rounds) whose gradients make one update
+    training_accuracy: bool = False  # count History's "accuracy" over every worker's batches
 
 
 def worker_device(spec: WorkerSpec, rank: int) -> torch.device:

@@ -74,7 +74,7 @@ from dl4py.train.loop import EpochSummary, TrainingInterrupted
 from dl4py.train.numbering import epoch_name, stop_point
 from dl4py.train.progress import batches_of, console_listeners
 from dl4py.train.randomness import SeededReading
-from dl4py.train.validation import EpochValidation
+from dl4py.train.validation import EpochValidation, fit_metrics
 
 __all__ = ["ParallelWrapper", "launched_by_torchrun"]
 
@@ -160,6 +160,7 @@ class ParallelWrapper:
         self.last_records: dict[int, list[float]] = {}
         self.last_report: RankReport | None = None
         self._pool = WorkerPool()
+        self._training_accuracy = False  # set by each fit from its metrics
 
     # ---- public ---------------------------------------------------------------------------
     def fit(self, iterator, epochs: int = 1, listeners=(), *, validation=None, metrics=None, verbose="auto",
@@ -196,6 +197,11 @@ class ParallelWrapper:
             self.model.check_data(held_out)
             validator = EpochValidation(held_out, None if metrics is None else list(metrics))
             listeners = [validator, *listeners]
+        # History's "accuracy", as Model.fit counts it: each worker's hits, summed at the epoch's end.
+        # Not under the tensor and hybrid plans, whose ranks' forward passes do not give one
+        # output row per example of their own batch.
+        self._training_accuracy = ("accuracy" in fit_metrics(self.model, metrics)
+                                   and self.options.parallelism.kind not in ("tensor", "hybrid"))
         summaries = self._train(iterator, epochs, listeners, _record_examples, controller)
         return History(validator.apply(summaries) if validator is not None else summaries)
 
@@ -275,6 +281,7 @@ class ParallelWrapper:
             early_stopping=self._controller is not None,
             iteration_conditions=[] if self._controller is None else list(self._controller.config.iteration_conditions),
             accumulate_batches=self.model.accumulate_batches,
+            training_accuracy=self._training_accuracy,
         )
 
     _process_group_backend = staticmethod(process_group_backend)

@@ -70,7 +70,10 @@ class PredictionServer:
             self.socket.close()
             raise
         self.service = self.app.state.service
-        config = uvicorn.Config(self.app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
+        # log_config=None: uvicorn's records go to the program's handlers (the command's one
+        # format) rather than handlers of its own ("INFO:     ..."); log_level still applies.
+        config = uvicorn.Config(self.app, log_level=log_level, log_config=None,
+                                timeout_graceful_shutdown=shutdown_timeout,
                                 lifespan="on", access_log=False, **self.limits.uvicorn_settings())
         self._server = _uvicorn_server(uvicorn, config, self._drain)
         self._thread: threading.Thread | None = None

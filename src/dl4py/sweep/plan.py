@@ -233,11 +233,13 @@ def expand(grid: dict[str, list[str]], ranges: dict[str, Range], random: int | N
                    **{k: r.sample(rng) for k, r in ranges.items()}} for _ in range(random)]
     short = short_keys(keys)
     width = max(3, len(str(len(points))))
-    experiments = []
-    for i, point in enumerate(points, 1):
-        label = ",".join(f"{short[k]}={_safe(v)}" for k, v in point.items())[:80]
-        experiments.append(Experiment(f"{i:0{width}d}-{label}", point))
-    return experiments
+    return [Experiment(experiment_name(i, point, short, width), point) for i, point in enumerate(points, 1)]
+
+
+def experiment_name(number: int, point: Mapping[str, str], short: Mapping[str, str], width: int = 3) -> str:
+    """``003-learning_rate=0.1,batch_size=64``: the number and the values, fit for a folder name."""
+    label = ",".join(f"{short[k]}={_safe(v)}" for k, v in point.items())[:80]
+    return f"{number:0{width}d}-{label}"
 
 
 def short_keys(keys) -> dict[str, str]:
@@ -264,29 +266,44 @@ class Plan:
     random: int | None = None
     seed: int = 0
     metric: str = "test_accuracy"
+    # An Optuna search (dl4py.sweep.optuna_search): experiments are added as its trials are
+    # asked, up to ``search["trials"]``; None for a grid or random plan, fixed up front.
+    search: dict | None = None
 
     @property
     def keys(self) -> list[str]:
+        if self.search is not None:  # known before the first trial is asked
+            return list(self.grid) + list(self.ranges)
         return list(self.experiments[0].overrides) if self.experiments else []
 
     def to_dict(self) -> dict:
-        return {
+        data = {
             "version": 1, "config_name": self.config_name, "metric": self.metric,
             "grid": self.grid, "random": self.random, "seed": self.seed,
             "ranges": {k: [r.low, r.high, r.log, r.integer] for k, r in self.ranges.items()},
             "experiments": [{"name": e.name, "overrides": e.overrides} for e in self.experiments],
             "config": self.config,
         }
+        if self.search is not None:
+            data["search"] = self.search
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> Plan:
+        search = data.get("search")
         return cls(
             config=data["config"], config_name=data["config_name"], metric=data["metric"],
             experiments=tuple(Experiment(e["name"], dict(e["overrides"])) for e in data["experiments"]),
             grid={k: list(v) for k, v in data["grid"].items()}, random=data["random"], seed=data["seed"],
             ranges={k: Range(*v) for k, v in data["ranges"].items()},
+            search=dict(search) if search is not None else None,
         )
 
     def same_experiments(self, other: Plan) -> bool:
-        """Whether ``other`` runs the same experiments on the same base config (the metric may differ)."""
+        """Whether ``other`` runs the same experiments on the same base config (the metric may differ);
+        for a search, the same search space and sampler (its number of trials may differ)."""
+        if self.search is not None or other.search is not None:
+            mine, theirs = ({k: v for k, v in (p.search or {}).items() if k != "trials"} for p in (self, other))
+            return (self.config == other.config and self.grid == other.grid and self.ranges == other.ranges
+                    and self.seed == other.seed and mine == theirs)
         return self.config == other.config and self.experiments == other.experiments

@@ -50,16 +50,23 @@ class Outcome:
 class ProcessQueue:
     """Run ``jobs`` on ``slots``, at most one job per slot; ``on_change(event, job_name, outcome)``
     is called when a job starts (``"start"``, outcome None) and when it ends (``"end"``).
-    ``succeeded(job_name, returncode)`` decides "completed" against "failed"."""
+    ``succeeded(job_name, returncode)`` decides "completed" against "failed".
+
+    ``more()``, when given, is asked for a further job each time a slot is free and ``jobs``
+    is used up (a search that picks the next point from the results so far); its first None
+    ends the asking. ``watch(queue)`` is called after every poll, and may ``stop`` a job."""
 
     def __init__(self, jobs: list[Job], slots: list[Slot], on_change: Callable, env: dict | None = None,
-                 succeeded: Callable[[str, int], bool] | None = None, grace: float = 30.0, poll: float = 0.1):
+                 succeeded: Callable[[str, int], bool] | None = None, grace: float = 30.0, poll: float = 0.1,
+                 more: Callable[[], Job | None] | None = None, watch: Callable[[ProcessQueue], None] | None = None):
         self.pending = list(jobs)
         self.slots, self.on_change, self.grace, self.poll = slots, on_change, grace, poll
+        self.more, self.watch = more, watch
         self.env = dict(os.environ if env is None else env)
         self.succeeded = succeeded or (lambda name, code: code == 0)
         self.running: dict[str, tuple[subprocess.Popen, Slot, float]] = {}
         self.logs: dict[str, Path] = {}
+        self.stopping: dict[str, tuple[str, float]] = {}  # job -> (its status once ended, when to kill it)
         self.interrupted = False
 
     def run(self) -> None:
@@ -68,10 +75,13 @@ class ProcessQueue:
         if threading.current_thread() is threading.main_thread():
             previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` stops it like Ctrl-C
         try:
-            while self.pending or self.running:
+            while self.pending or self.running or self.more is not None:
                 self._fill()
                 time.sleep(self.poll)
                 self._reap()
+                if self.watch is not None:
+                    self.watch(self)
+                self._kill_overdue()
         except KeyboardInterrupt:
             self.interrupted = True
             self._stop()
@@ -83,11 +93,11 @@ class ProcessQueue:
     def _fill(self) -> None:
         busy = {slot for _, slot, _ in self.running.values()}
         for slot in self.slots:
-            if not self.pending:
-                return
             if slot in busy:
                 continue
-            job = self.pending.pop(0)
+            job = self._next_job()
+            if job is None:
+                return
             job.log.parent.mkdir(parents=True, exist_ok=True)
             with open(job.log, "wb") as log:
                 proc = subprocess.Popen(
@@ -105,11 +115,38 @@ class ProcessQueue:
                 continue
             del self.running[name]
             ok = self.succeeded(name, code)
+            stopped = self.stopping.pop(name, None)
+            if not ok and stopped is not None:  # ended as asked; a job done before the signal stays completed
+                outcome = Outcome(name, stopped[0], time.perf_counter() - started, code, None, slot.name)
+                self.on_change("end", name, outcome)
+                continue
             outcome = Outcome(
                 name, "completed" if ok else status_if_failed, time.perf_counter() - started, code,
                 None if ok else describe_failure(code, self.logs[name]), slot.name,
             )
             self.on_change("end", name, outcome)
+
+    def stop(self, name: str, status: str) -> None:
+        """Ask one running job to stop as Ctrl-C would (``dl4py train`` keeps a checkpoint and
+        writes its result.json); it ends with ``status``, or is killed after ``grace`` seconds."""
+        if name not in self.running or name in self.stopping:
+            return
+        self.stopping[name] = (status, time.monotonic() + self.grace)
+        _signal_group(self.running[name][0], signal.SIGINT)
+
+    def _next_job(self) -> Job | None:
+        if self.pending:
+            return self.pending.pop(0)
+        job = self.more() if self.more is not None else None
+        if job is None:
+            self.more = None
+        return job
+
+    def _kill_overdue(self) -> None:
+        now = time.monotonic()
+        for name, (_, deadline) in list(self.stopping.items()):
+            if name in self.running and now > deadline:
+                _signal_group(self.running[name][0], signal.SIGKILL)
 
     def _stop(self) -> None:
         self._signal_all(signal.SIGINT)
@@ -125,10 +162,7 @@ class ProcessQueue:
 
     def _signal_all(self, sig: int) -> None:
         for proc, _, _ in self.running.values():
-            try:
-                os.killpg(proc.pid, sig)  # the whole group: parallel workers of the experiment too
-            except (ProcessLookupError, PermissionError):
-                pass
+            _signal_group(proc, sig)
 
     def _kill_all(self) -> None:
         if not self.running:
@@ -137,6 +171,13 @@ class ProcessQueue:
         for proc, _, _ in self.running.values():
             proc.wait()
         self._reap("interrupted")
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # the whole group: parallel workers of the experiment too
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _raise_interrupt(signum, frame):

@@ -30,7 +30,8 @@ METRICS = {
     "train_samples_per_second": True, "final_score": False, "wall_seconds": False,
 }
 # Sort order of the statuses below the ranked rows.
-_STATUS_ORDER = {"completed": 0, "failed": 1, "interrupted": 2, "pending": 3}
+# "pruned": stopped early by an Optuna search's pruner (dl4py.sweep.optuna_search).
+_STATUS_ORDER = {"completed": 0, "pruned": 1, "failed": 2, "interrupted": 3, "pending": 4}
 
 
 def check_metric(metric: str) -> str:
@@ -132,6 +133,7 @@ def _markdown(plan: Plan, sweep_dir: Path, rows: list[dict], metric: str, best: 
     lines = [
         f"# Sweep {sweep_dir.name}", "",
         f"{len(rows)} experiments: {counts['completed']} completed, {counts['failed']} failed"
+        + (f", {counts['pruned']} pruned" if counts["pruned"] else "")
         + (f", {counts['interrupted'] + counts['pending']} not finished" if counts["interrupted"] + counts["pending"]
            else "") + f". Sorted by `{metric}` ({direction(metric)}).",
         "",

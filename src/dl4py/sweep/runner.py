@@ -3,7 +3,8 @@
 The sweep folder holds ``sweep.json`` (the plan), ``config.yaml`` (the base config every
 experiment starts from), one ordinary ``dl4py train`` run directory per experiment,
 ``logs/<experiment>.log``, ``outcomes.json`` (time, exit and error of each process),
-``results.csv``, ``results.md`` and ``best.yaml``.
+``results.csv``, ``results.md`` and ``best.yaml``; a ``--sampler tpe`` search also its
+Optuna study, ``optuna.db`` (``dl4py.sweep.optuna_search``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from dl4py.folders import FolderLock, claim_new_folder, path_inside
 from dl4py.io import atomic_write_json, atomic_write_text
 from dl4py.run_dir import CHECKPOINT, new_run_dir
 from dl4py.sweep import results as table
+from dl4py.sweep.optuna_search import (OptunaSearch, check_enqueue, check_search_space, plan_writer, resumed_plan,
+                                       search_settings)
 from dl4py.sweep.plan import Plan, check_keys, expand, normalise_grid, normalise_ranges
 from dl4py.sweep.processes import Job, ProcessQueue
 from dl4py.sweep.slots import make_slots, parse_devices
@@ -41,7 +44,7 @@ class SweepResult:
     skipped: int = 0  # already completed in the folder (--resume)
     continued: int = 0  # rerun from their run's checkpoint (--resume)
     restarted: int = 0  # partial run directory removed, run again (--resume)
-    counts: dict = field(default_factory=dict)  # status -> number of experiments
+    counts: dict = field(default_factory=dict)  # status -> number of experiments ("pruned" too, for a search)
 
     @property
     def failed(self) -> list[dict]:
@@ -71,6 +74,10 @@ def run(
     resume: bool = False,
     progress: bool = True,
     grace: float = 30.0,
+    sampler: str | None = None,
+    trials: int | None = None,
+    prune: Any = None,
+    enqueue: Sequence[Mapping[str, Any]] = (),
 ) -> SweepResult:
     """Run one ``dl4py train`` process per grid point (or per random point), ``per_device``
     at a time on each device, and rank them by ``metric``.
@@ -82,10 +89,16 @@ def run(
     Grid values given as strings are read as YAML, like ``--set``. With ``resume=True``
     and ``output`` naming an earlier sweep, runs only the experiments without a completed
     ``result.json`` (``config`` and ``grid`` may be left out; given, they must match).
+
+    ``sampler="tpe"`` runs ``trials`` experiments chosen by an Optuna study instead (the
+    ``optuna`` extra): ``ranges`` and ``grid`` are its search space, ``prune="median"`` (or
+    an optuna pruner) stops experiments whose validation score falls behind, and
+    ``enqueue=[{key: value}]`` names points to try first. See docs/sweep.md.
     """
     plan = None
     if config is not None:
-        plan = make_plan(config, grid, ranges, random, seed, overrides, metric)
+        plan = make_plan(config, grid, ranges, random, seed, overrides, metric, sampler, trials, prune)
+        check_enqueue(plan, enqueue)
     elif not resume:
         raise ConfigError("config", "a sweep needs a run config (or --resume with --output of an earlier sweep)")
     elif grid or ranges or random is not None or overrides:
@@ -95,11 +108,21 @@ def run(
     slots = make_slots(parse_devices(devices), per_device)
     sweep_dir, plan, lock = _open_sweep_dir(plan, output, resume)
     with lock:
+        search = None
+        if resume:
+            plan = resumed_plan(plan, sampler, trials, prune, metric)
+        if plan.search is not None:
+            write_plan = plan_writer(sweep_dir / PLAN)
+            write_plan(plan)  # a new --trials budget
+            search = OptunaSearch(plan, sweep_dir, prune, enqueue, write_plan)
+        else:
+            check_enqueue(plan, enqueue)
         metric = metric or plan.metric
-        return _run(plan, sweep_dir, slots, metric, progress, grace)
+        return _run(plan, sweep_dir, slots, metric, progress, grace, search)
 
 
-def make_plan(config, grid, ranges, random, seed, overrides, metric=None) -> Plan:
+def make_plan(config, grid, ranges, random, seed, overrides, metric=None, sampler=None, trials=None,
+              prune=None) -> Plan:
     """The sweep's plan; ``metric`` None ranks on the validation score when the config holds
     validation data out (``data.validation``), else on the test set's."""
     if metric is not None:
@@ -122,9 +145,15 @@ def make_plan(config, grid, ranges, random, seed, overrides, metric=None) -> Pla
     fixed = {a.partition("=")[0].strip() for a in overrides} & (set(grid) | set(ranges))
     if fixed:
         raise ConfigError(f"--set {min(fixed)}", "is also varied by the sweep; give it one or the other")
-    experiments = expand(grid, ranges, random, seed)
+    search = search_settings(sampler, trials, prune, random, metric)
+    if search is None:
+        experiments = expand(grid, ranges, random, seed)
+    else:  # added as the study's trials are asked
+        check_search_space(grid, ranges)
+        experiments = []
     # Through JSON once, so the plan compares equal to the one read back from sweep.json.
-    return Plan(json.loads(json.dumps(base.to_dict())), name, tuple(experiments), grid, ranges, random, seed, metric)
+    return Plan(json.loads(json.dumps(base.to_dict())), name, tuple(experiments), grid, ranges, random, seed, metric,
+                search)
 
 
 def default_metric(config: RunConfig) -> str:
@@ -200,14 +229,15 @@ def _claim(path: Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _run(plan: Plan, sweep_dir: Path, slots, metric: str, progress: bool, grace: float) -> SweepResult:
+def _run(plan: Plan, sweep_dir: Path, slots, metric: str, progress: bool, grace: float,
+         search: OptunaSearch | None = None) -> SweepResult:
     outcomes = _read_outcomes(sweep_dir)
     result = SweepResult(sweep_dir, metric, [], None)
     jobs, continuing = [], set()
     for experiment in plan.experiments:
         run_dir = path_inside(sweep_dir, experiment.name, f"{sweep_dir / PLAN}: experiments")
-        if table.is_completed(run_dir):
-            result.skipped += 1
+        if table.is_completed(run_dir) or (search is not None and search.is_finished(experiment.name)):
+            result.skipped += 1  # a search's pruned and failed trials are final: the study knows them
             continue
         if (run_dir / CHECKPOINT).exists():  # an epoch or more is done: go on from there
             continuing.add(experiment.name)
@@ -216,36 +246,54 @@ def _run(plan: Plan, sweep_dir: Path, slots, metric: str, progress: bool, grace:
             shutil.rmtree(run_dir)
             result.restarted += 1
         outcomes.pop(experiment.name, None)
-        jobs.append(Job(experiment.name, _command(sweep_dir, experiment, experiment.name in continuing),
-                        sweep_dir / "logs" / f"{experiment.name}.log"))
-    result.ran = len(jobs)
+        jobs.append(_job(sweep_dir, experiment, experiment.name in continuing))
     report = _Progress(plan, sweep_dir, metric, outcomes, progress)
     report.start(result, slots)
 
     def on_change(event: str, name: str, outcome) -> None:
+        nonlocal plan
         if event == "start":
             report.running.add(name)
+            if search is not None:
+                search.started(name)
         else:
             report.running.discard(name)
+            if search is not None:
+                search.ended(name, outcome)
             outcomes[name] = outcome.to_dict()
             atomic_write_json(sweep_dir / OUTCOMES, outcomes)
+        if search is not None:
+            plan = report.plan = search.plan  # trials asked meanwhile
+        if event != "start":
             table.write_results(plan, sweep_dir, table.collect_rows(plan, sweep_dir, outcomes, metric), metric)
             report.finished(outcome)
         report.line()
 
+    def ask() -> Job | None:
+        job = search.next_job(lambda experiment: _job(sweep_dir, experiment, False))
+        result.ran += job is not None
+        return job
+
+    result.ran = len(jobs)
     # A completed result.json is what counts: a run can finish and then be hit by Ctrl-C.
     queue = ProcessQueue(jobs, slots, on_change, grace=grace,
-                         succeeded=lambda name, code: table.is_completed(sweep_dir / name))
+                         succeeded=lambda name, code: table.is_completed(sweep_dir / name),
+                         more=ask if search is not None else None, watch=search.watch if search is not None else None)
     queue.run()
     result.rows = table.collect_rows(plan, sweep_dir, outcomes, metric)
     result.best = table.write_results(plan, sweep_dir, result.rows, metric)
-    result.counts = {s: sum(r["status"] == s for r in result.rows) for s in ("completed", "failed", "interrupted",
-                                                                           "pending")}
+    statuses = ("completed", "failed", "interrupted", "pending") + (("pruned",) if plan.search is not None else ())
+    result.counts = {s: sum(r["status"] == s for r in result.rows) for s in statuses}
     if queue.interrupted:
         left = result.counts["interrupted"] + result.counts["pending"]
         raise SweepInterrupted(f"interrupted with {left} experiment(s) unfinished; continue with "
                                f"dl4py sweep --resume --output {sweep_dir}", result)
     return result
+
+
+def _job(sweep_dir: Path, experiment, continuing: bool) -> Job:
+    log = sweep_dir / "logs" / f"{experiment.name}.log"
+    return Job(experiment.name, _command(sweep_dir, experiment, continuing), log)
 
 
 def _command(sweep_dir: Path, experiment, continuing: bool):
@@ -271,13 +319,14 @@ class _Progress:
     def __init__(self, plan: Plan, sweep_dir: Path, metric: str, outcomes: dict, enabled: bool):
         self.plan, self.sweep_dir, self.metric, self.outcomes, self.enabled = plan, sweep_dir, metric, outcomes, enabled
         self.running: set[str] = set()
-        self.labels = {e.name: e.label() for e in plan.experiments}
 
     def start(self, result: SweepResult, slots) -> None:
         threads = slots[0].threads
         resumed = [f"{n} {what}" for n, what in ((result.skipped, "already completed"),
                    (result.continued, "to continue from a checkpoint"), (result.restarted, "to start over")) if n]
-        self._print(f"sweep {self.sweep_dir}: {len(self.plan.experiments)} experiments"
+        size = (f"a {self.plan.search['sampler'].upper()} search of {self.plan.search['trials']} trials"
+                if self.plan.search is not None else f"{len(self.plan.experiments)} experiments")
+        self._print(f"sweep {self.sweep_dir}: {size}"
                     + (f" ({', '.join(resumed)})" if resumed else "")
                     + f" on {len(slots)} slot{'s' * (len(slots) > 1)} ({', '.join(s.name for s in slots)}; "
                     f"{threads} CPU thread{'s' * (threads > 1)} each)")
@@ -285,7 +334,9 @@ class _Progress:
             self.line()
 
     def finished(self, outcome) -> None:
-        if outcome.status != "completed":
+        if outcome.status == "pruned":
+            self._print(f"{outcome.name} pruned: its {self.metric} fell behind the other trials'")
+        elif outcome.status != "completed":
             self._print(f"{outcome.name} {outcome.status}: {outcome.error}")
 
     def line(self) -> None:
@@ -296,9 +347,14 @@ class _Progress:
         done = sum(r["status"] in ("completed", "failed") and r["experiment"] not in self.running for r in rows)
         failed = sum(r["status"] == "failed" for r in rows)
         best = table.best_row(rows, self.metric)
-        text = f"[{done}/{len(rows)} done, {len(self.running)} running, {failed} failed]"
+        total = max(len(rows), self.plan.search["trials"]) if self.plan.search is not None else len(rows)
+        pruned = sum(r["status"] == "pruned" for r in rows)
+        done += pruned
+        text = (f"[{done}/{total} done, {len(self.running)} running, {failed} failed"
+                + (f", {pruned} pruned]" if self.plan.search is not None else "]"))
         if best is not None:
-            text += f" best {self.metric} {table.format_value(best[self.metric])} ({self.labels[best['experiment']]})"
+            label = next(e.label() for e in self.plan.experiments if e.name == best["experiment"])
+            text += f" best {self.metric} {table.format_value(best[self.metric])} ({label})"
         self._print(text)
 
     def _print(self, text: str) -> None:

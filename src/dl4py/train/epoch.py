@@ -102,16 +102,19 @@ class EpochTally:
         return precision.skipped_steps - self._skipped_before if precision.scales_loss else None
 
     def summary(self, completed: bool = True, batches: int | None = None, examples: int | None = None,
-                loss_sum: float | None = None, skipped_steps: int | None = None) -> EpochSummary:
-        """The epoch as it ended here, or with the totals over all workers when given (the
-        training accuracy, counted here only, is then left out rather than misstated)."""
+                loss_sum: float | None = None, skipped_steps: int | None = None,
+                accuracy: float | None = None) -> EpochSummary:
+        """The epoch as it ended here, or with the totals over all workers when given (then
+        the training accuracy is the one given, over all workers; this replica's alone would
+        misstate it)."""
         skipped_steps = self.skipped_steps if skipped_steps is None else skipped_steps
         batches = self.batches if batches is None else batches
         examples = self.examples if examples is None else examples
         loss_sum = float(self.loss_sum) if loss_sum is None else loss_sum
         mean = loss_sum / batches if batches else float("nan")
         own = examples == self.examples
-        accuracy = self.accuracy.value() if self.accuracy is not None and own else None
+        if own and accuracy is None and self.accuracy is not None:
+            accuracy = self.accuracy.value()
         return EpochSummary(self.epoch, batches, examples, mean, time.perf_counter() - self.started,
                             completed=completed, learning_rate=current_learning_rate(self.model),
                             skipped_steps=skipped_steps, accuracy=accuracy)

@@ -51,10 +51,16 @@ class RunningAccuracy:
 
     def value(self) -> float | None:
         """The epoch's training accuracy so far; None where it does not apply or saw no batch."""
+        right, judged = self.counts()
+        return right / judged if judged else None
+
+    def counts(self) -> tuple[int, int]:
+        """(examples classified right, examples judged) so far: (0, 0) where it does not apply.
+        Workers of a parallel fit add theirs up."""
         if not self.applies or not self.examples:
-            return None
+            return 0, 0
         self._fold()
-        return int(self.correct) / self.examples
+        return int(self.correct), self.examples
 
     def _fold(self) -> None:
         if self.hits:

@@ -90,6 +90,7 @@
     return keys;
   }
 
+  // x, y: the axes' titles; yLog: log where the data spans a decade (see "axes" below).
   var CHARTS = [
     {id: "score", section: "overview", title: "Score (minibatch loss) vs iteration",
      help: "Should fall, with noise. Flat from the start: the learning rate is too low or the data is not " +
@@ -114,7 +115,7 @@
        return sets;
      }},
     {id: "learning_rate", section: "overview", title: "Learning rate", x: "iteration", y: "learning rate",
-     help: "The rate the updater used, schedules included.", yType: "logarithmic",
+     help: "The rate the updater used, schedules included.", yLog: true,
      datasets: perRun(statsOrEpochs, function (r) { return r.iteration; }, function (r) { return r.learning_rate; },
                       {positive: true})},
     {id: "throughput", section: "overview", title: "Throughput (samples/s) over time", x: "seconds", y: "samples/s",
@@ -139,15 +140,15 @@
            "high and training may be unstable. Well below (-4 or less): the layer learns too slowly.",
      datasets: perLayer("update_ratio", Math.log10)},
     {id: "parameters", section: "run", title: "Mean |parameter| per layer", x: "iteration", y: "mean |value|",
-     yType: "logarithmic", help: "Should drift slowly. Growing fast: exploding weights; add l2 or lower the rate.",
+     yLog: true, help: "Should drift slowly. Growing fast: exploding weights; add l2 or lower the rate.",
      datasets: perLayer("parameters")},
     {id: "gradients", section: "run", title: "Mean |gradient| per layer", x: "iteration", y: "mean |value|",
-     yType: "logarithmic",
+     yLog: true,
      help: "Orders of magnitude apart between layers, or falling towards 0 in the first layers: vanishing " +
            "gradients. Jumping up: exploding gradients (clip them or lower the rate).",
      datasets: perLayer("gradients")},
     {id: "activations", section: "run", title: "Mean |activation| per layer", x: "iteration", y: "mean |value|",
-     yType: "logarithmic",
+     yLog: true,
      help: "Falling to 0: dead units (e.g. ReLU); growing without bound: unstable training.",
      datasets: perLayer("activations")},
   ];
@@ -184,18 +185,19 @@
     });
   }
 
-  function lineOptions(spec) {
+  function lineOptions(spec, sets) {
+    var x = axisOptions(spec.x, spec.xLog && spansDecades(sets, "x"), {
+      integer: spec.xInteger || spec.x === "epoch" || spec.x === "iteration", categories: spec.categories});
+    var y = axisOptions(spec.y, spec.yLog && spansDecades(sets, "y"), {});
+    // A reference line stays in view (with room around it), however far the data is from it.
+    if (isNumber(spec.refLine)) {
+      y.suggestedMin = spec.refLine - 0.5;
+      y.suggestedMax = spec.refLine + 0.5;
+    }
     return {
       animation: false, responsive: true, maintainAspectRatio: false, parsing: false, normalized: true,
       interaction: {mode: "nearest", intersect: false},
-      scales: {
-        x: {type: spec.xType || "linear", title: {display: true, text: spec.x},
-            ticks: spec.x === "epoch" || spec.x === "iteration" ? {precision: 0} : {}},
-        // A reference line stays in view (with room around it), however far the data is from it.
-        y: {type: spec.yType || "linear", title: {display: true, text: spec.y},
-            suggestedMin: isNumber(spec.refLine) ? spec.refLine - 0.5 : undefined,
-            suggestedMax: isNumber(spec.refLine) ? spec.refLine + 0.5 : undefined}
-      },
+      scales: {x: x, y: y},
       plugins: {
         legend: {position: "bottom", labels: {boxWidth: 12}},
         decimation: {enabled: true, algorithm: "lttb", samples: 500, threshold: 1000},
@@ -211,16 +213,177 @@
     if (!hasData) return;
     sets = sets.filter(function (s) { return s.data.length > 0; });
     var chart = DL4PY.charts[spec.id];
+    var options = lineOptions(spec, sets);
+    // What decides the axes' options: new data can turn an axis log, or bring a category.
+    var axes = JSON.stringify([options.scales.x.type, options.scales.y.type, spec.categories || null]);
     if (!chart) {
-      var options = lineOptions(spec);
       chart = DL4PY.charts[spec.id] = new Chart(card.querySelector("canvas"), {
         type: type || "line", data: {datasets: toChartDatasets(sets, type)}, options: options,
         plugins: [refLinePlugin]
       });
+      chart.dl4pyAxes = axes;
       return;
+    }
+    if (chart.dl4pyAxes !== axes) {
+      chart.options = options;
+      chart.dl4pyAxes = axes;
     }
     chart.data.datasets = toChartDatasets(sets, type);
     chart.update("none");
+  }
+
+  // -- axes: their range and their ticks ----------------------------------------------
+  //
+  // Each axis of a line or scatter chart spans its data and PAD of that range more on
+  // either side, so no point sits on the frame, and carries ticks placed here rather than
+  // by Chart.js (whose log axis wrote "0.100" over "0.080"): as many as fit TICK_SPACE
+  // pixels apart, and at least MIN_TICKS, closer where that takes it (a label is about 15
+  // pixels high); on a linear axis the multiples of a 1, 2 or 5 x 10^k step, on a log axis
+  // 1, 2 and 5 x 10^k only (whole decades, or every n-th one, where those would crowd).
+  // A chart that asks for a log axis (yLog, xLog) gets one where its data spans at least
+  // a decade: over less, a log axis has room for one or two such labels, and a linear one
+  // shows the same drift with five. Chart.js's autoSkip stays on as the last guard.
+
+  var PAD = 0.05;
+  var MIN_TICKS = 4;
+  var TICK_SPACE = {x: 72, y: 28};  // a label's width (x), a line of text and a gap (y)
+  var LOG_FROM = 10;  // the data's max / min from which an axis asked to be log is drawn log
+  var MANTISSAS = [1, 2, 5];
+
+  function spansDecades(sets, key) {
+    var low = Infinity, high = -Infinity;
+    sets.forEach(function (s) {
+      s.data.forEach(function (p) {
+        if (p[key] > 0) { low = Math.min(low, p[key]); high = Math.max(high, p[key]); }
+      });
+    });
+    return high / low >= LOG_FROM;
+  }
+
+  // options: integer (no tick between whole numbers), categories (names of 0, 1, ...).
+  function axisOptions(title, log, options) {
+    var categories = options.categories;
+    return {
+      type: log ? "logarithmic" : "linear", bounds: "data",
+      title: {display: true, text: title + (log ? " (log scale)" : "")},
+      ticks: {maxRotation: 0, callback: function (value) {
+        if (categories) return categories[value];
+        return this.dl4pyLabel ? this.dl4pyLabel(value) : String(value);
+      }},
+      afterDataLimits: function (axis) {
+        if (categories) {  // each category a whole step from the frame
+          axis.min = -0.5;
+          axis.max = categories.length - 0.5;
+        } else {
+          padLimits(axis);
+        }
+      },
+      afterBuildTicks: function (axis) {
+        placeTicks(axis, options.integer || !!categories);
+      }
+    };
+  }
+
+  function padLimits(axis) {
+    var log = axis.type === "logarithmic";
+    var low = log ? Math.log10(axis.min) : axis.min, high = log ? Math.log10(axis.max) : axis.max;
+    if (!isFinite(low) || !isFinite(high)) return;
+    var span = high - low;
+    var pad = span > 0 ? span * PAD : (log ? 0.5 : Math.abs(low) * 0.1 || 1);
+    axis.min = log ? Math.pow(10, low - pad) : low - pad;
+    axis.max = log ? Math.pow(10, high + pad) : high + pad;
+  }
+
+  function placeTicks(axis, integer) {
+    var low = axis.min, high = axis.max;
+    var log = axis.type === "logarithmic";
+    if (!isNumber(low) || !isNumber(high) || !(high > low) || (log && !(low > 0))) return;
+    var length = axis.isHorizontal() ? axis.width : axis.height;
+    var most = Math.max(MIN_TICKS, Math.floor(length / TICK_SPACE[axis.isHorizontal() ? "x" : "y"]));
+    var placed = log ? logTicks(low, high, most) : linearTicks(low, high, most, integer);
+    axis.min = placed.low;
+    axis.max = placed.high;
+    axis.ticks = placed.values.map(function (v) { return {value: v}; });
+    axis.dl4pyLabel = placed.label;
+  }
+
+  // Multiples of the smallest 1-2-5 step that leaves at most `most` ticks (a smaller one
+  // where that would leave fewer than MIN_TICKS).
+  function linearTicks(low, high, most, integer) {
+    var steps = [], top = Math.ceil(Math.log10(high - low));
+    for (var k = top; k > top - 20; k--) {
+      [5, 2, 1].forEach(function (m) { steps.push(Number(m + "e" + k)); });
+    }
+    steps = steps.filter(function (step) { return !integer || step >= 1; });
+    if (!steps.length) steps = [1];
+    var count = function (step) { return Math.floor(high / step) - Math.ceil(low / step) + 1; };
+    var chosen = steps[0];
+    for (var i = 0; i < steps.length; i++) {
+      if (count(steps[i]) > most && count(chosen) >= MIN_TICKS) break;
+      chosen = steps[i];
+      if (count(chosen) > most) break;
+    }
+    var values = [];
+    for (var n = Math.ceil(low / chosen); n * chosen <= high; n++) {
+      values.push(Number((n * chosen).toPrecision(12)) || 0);  // || 0: no "-0"
+    }
+    return {low: low, high: high, values: values, label: linearLabel(values, chosen)};
+  }
+
+  function linearLabel(values, step) {
+    var size = Math.max.apply(null, values.map(Math.abs));
+    var places = Math.max(0, -Math.floor(Math.log10(step) + 1e-9));
+    if (size >= 1e6 || (size > 0 && size < 1e-3)) {
+      var digits = Math.max(0, Math.floor(Math.log10(size) + 1e-9) - Math.floor(Math.log10(step) + 1e-9));
+      return function (v) { return v === 0 ? "0" : v.toExponential(digits).replace("e+", "e"); };
+    }
+    return function (v) {
+      return v.toLocaleString("en-US", {minimumFractionDigits: places, maximumFractionDigits: places});
+    };
+  }
+
+  // 1, 2 and 5 x 10^k in [low, high], the range widened to the next such value (the
+  // nearer side first) until it holds MIN_TICKS of them; sparser (every n-th decade)
+  // where more than `most` would not fit.
+  function logTicks(low, high, most) {
+    while (oneTwoFive(low, high, 0).length < MIN_TICKS) {
+      var below = stepOut(low, -1), above = stepOut(high, 1);
+      if (Math.log10(low / below) <= Math.log10(above / high)) low = below; else high = above;
+    }
+    var values = oneTwoFive(low, high, 0);
+    for (var every = 1; values.length > most; every++) {
+      var sparser = oneTwoFive(low, high, every);
+      if (sparser.length < MIN_TICKS) break;
+      values = sparser;
+    }
+    // 0.001 to 5000 as written; over a wider span, what is not short so ("1e-5", "0.01", "1")
+    var plain = values.every(function (v) { return v >= 1e-3 && v < 1e4; });
+    return {low: low, high: high, values: values, label: function (v) {
+      return plain || (v >= 0.01 && v < 1000) ? String(v) : v.toExponential(0).replace("e+", "e");
+    }};
+  }
+
+  // every 0: 1, 2 and 5 x 10^k; every n: 10^k for k a multiple of n.
+  function oneTwoFive(low, high, every) {
+    var values = [];
+    for (var k = Math.floor(Math.log10(low)) - 1; k <= Math.ceil(Math.log10(high)); k++) {
+      (every ? (k % every === 0 ? [1] : []) : MANTISSAS).forEach(function (m) {
+        var v = Number(m + "e" + k);
+        if (v >= low * (1 - 1e-12) && v <= high * (1 + 1e-12)) values.push(v);
+      });
+    }
+    return values;
+  }
+
+  // The next 1, 2 or 5 x 10^k past `value`, below it (direction -1) or above it (1).
+  function stepOut(value, direction) {
+    var k = Math.floor(Math.log10(value));
+    var candidates = [];
+    [k - 1, k, k + 1].forEach(function (e) {
+      MANTISSAS.forEach(function (m) { candidates.push(Number(m + "e" + e)); });
+    });
+    var past = candidates.filter(function (v) { return direction < 0 ? v < value * (1 - 1e-12) : v > value * (1 + 1e-12); });
+    return direction < 0 ? Math.max.apply(null, past) : Math.min.apply(null, past);
   }
 
   function drawCharts() {
@@ -387,7 +550,8 @@
                     var v = cellValue(row, c.key);
                     var shown = c.full ? row[c.full] : fmt(v);  // a swept value as the user wrote it
                     var content = c.key === "experiment" && index >= 0 ? swatch(index, v) : text(shown);
-                    return el("td", {className: c.metric ? "metric" : ""}, [content]);
+                    return el("td", {className: c.metric ? "metric" : "", title: c.key === "experiment" ? v : ""},
+                              [content]);
                   }));
       if (row.error) tr.title = row.error;
       if (index >= 0) tr.addEventListener("click", function () { select(index); });
@@ -411,18 +575,13 @@
       var numeric = done.every(function (r) { return isNumber(r.values[key]); });
       var values = done.map(function (r) { return r.values[key]; });
       var positive = numeric && values.every(function (v) { return v > 0; });
-      var spread = positive && values.length ? Math.max.apply(null, values) / Math.min.apply(null, values) : 1;
       var categories = numeric ? null : values.map(String).filter(function (v, i, all) { return all.indexOf(v) === i; });
       var points = done.map(function (r) {
         return {x: numeric ? r.values[key] : categories.indexOf(String(r.values[key])), y: r[sweep.metric]};
       });
-      var spec = {id: id, x: key, y: sweep.metric, xType: spread >= 10 ? "logarithmic" : "linear"};
+      var spec = {id: id, x: key, y: sweep.metric, xLog: positive, categories: categories,
+                  xInteger: numeric && values.every(Number.isInteger)};  // a batch size has no 15.2
       drawChart(spec, [{label: sweep.metric, data: points, color: COLORS[0]}], "scatter");
-      var chart = DL4PY.charts[id];
-      if (chart && categories) {
-        chart.options.scales.x.ticks = {stepSize: 1, callback: function (v) { return categories[v]; }};
-        chart.update("none");
-      }
     });
   }
 
@@ -464,17 +623,29 @@
     state.points = data.points || 0;
     document.title = data.title;
     document.getElementById("title").textContent = data.title;
-    var changed = false;
+    var changed = false, replaced = false;
     data.runs.forEach(function (info, i) {
-      if (!state.runs[i]) state.runs[i] = newRun(info);
+      // Another run in this place (a storage detached from the UI, another attached): its
+      // chunk was read from the old run's offset, so it starts afresh from the next poll.
+      var other = state.runs[i] && state.runs[i].info.key !== info.key;
+      if (!state.runs[i] || other) state.runs[i] = newRun(info);
       var run = state.runs[i];
       if (JSON.stringify(run.info) !== JSON.stringify(info)) changed = true;
       run.info = info;
-      if (data.metrics && data.metrics[i] && addRecords(run, data.metrics[i])) changed = true;
+      if (other) changed = replaced = true;
+      else if (data.metrics && data.metrics[i] && addRecords(run, data.metrics[i])) changed = true;
     });
+    if (state.runs.length > data.runs.length) {  // detached: the last places are gone
+      state.runs.length = data.runs.length;
+      changed = true;
+    }
+    if (state.selected >= state.runs.length) {
+      state.selected = 0;
+      state.userSelected = false;
+    }
     if (JSON.stringify(state.sweep) !== JSON.stringify(data.sweep || null)) changed = true;
     state.sweep = data.sweep || null;
-    if (!changed && DL4PY.polls > 0) return;
+    if (!changed && DL4PY.polls > 0) return false;
     if (!state.userSelected) state.selected = defaultRun();
     document.getElementById("sweep").hidden = !state.sweep;
     if (state.sweep) drawSweepTable();
@@ -482,6 +653,17 @@
     drawRunDetails();
     drawCharts();
     drawNotes();
+    shadeTables();
+    return replaced;
+  }
+
+  // A table wider than its box scrolls inside it; its box is shaded on the right while
+  // columns are hidden that way (dashboard.css).
+  function shadeTables() {
+    document.querySelectorAll(".table-box").forEach(function (box) {
+      var scroll = box.querySelector(".scroll");
+      box.classList.toggle("more-right", scroll.scrollLeft + scroll.clientWidth < scroll.scrollWidth - 1);
+    });
   }
 
   // What the page does not show: series thinned, lines skipped, files left out.
@@ -531,9 +713,9 @@
         return response.json();
       })
       .then(function (data) {
-        apply(data);
+        var replaced = apply(data);
         DL4PY.polls += 1;
-        more = data.metrics.some(function (m) { return m.more; });
+        more = replaced || data.metrics.some(function (m) { return m.more; });
         setStatus("live: updated " + new Date().toLocaleTimeString() + " (every " + options.every / 1000 + " s)");
       })
       .catch(function (error) { setStatus("cannot reach dl4py ui (" + error.message + "); retrying"); })
@@ -542,6 +724,8 @@
 
   DL4PY.start = function (options) {
     build();
+    window.addEventListener("resize", shadeTables);
+    document.querySelectorAll(".scroll").forEach(function (box) { box.addEventListener("scroll", shadeTables); });
     document.getElementById("run-select").addEventListener("change", function (event) {
       select(Number(event.target.value));
     });
