@@ -156,7 +156,7 @@ def assert_logs_kept_apart(shown: list[str], *patterns: str) -> None:
         assert any(re.fullmatch(p, line) for p in patterns), f"a log line broken by the bar: {line!r}"
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # make test's budget (DEVELOPERS.md): make soak runs it
 def test_a_run_resumed_with_two_workers_shows_its_own_epoch_numbers_and_every_batch(config, tmp_path, capsys):
     """Epoch 1 of 3 on one device, then the rest resumed with two workers in a terminal: the
     bars say "epoch 2/3" and "epoch 3/3" (the run's numbers, not the resumed fit's) and

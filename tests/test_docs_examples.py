@@ -17,9 +17,9 @@ test how to run it::
 - ``continues``: first run the file's previous block (and what it continued), in the same
   namespace: the block uses names an earlier block defined.
 - ``slow``: the test carries ``pytest.mark.slow`` (make test-quick leaves it out); ``spark``:
-  ``slow`` and ``spark`` (it starts a SparkSession); ``soak``: tens of seconds even on cut data
-  (LeNet sweeps, ParallelWrapper and Spark fits, whose features other tests of make test
-  cover): only make soak runs it, keeping make test in its budget.
+  ``slow`` and ``spark`` (it starts a SparkSession); ``soak``: a block that trains (seconds to
+  tens of seconds even on cut data; other tests of make test cover what it uses): only make
+  soak runs it, keeping make test in its budget.
 - ``timeout N``: seconds the block may take (default ``BLOCK_TIMEOUT_S``).
 - ``skip REASON``: not run, and pytest prints the reason (a GPU, a cluster, a Spark master).
   Keep these few; a block that needs an installed optional package runs.

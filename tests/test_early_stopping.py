@@ -230,7 +230,7 @@ def test_parallel_result_matches_the_single_kind_and_best_model_reproduces_its_s
     assert again.total_epochs == 3 and sorted(again.score_vs_epoch) == [3, 4, 5]
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # make test's budget (DEVELOPERS.md): make soak runs it
 def test_killing_the_process_mid_save_keeps_the_previous_best_model(tmp_path):
     """A process saves a large model over and over and is killed at arbitrary moments; the
     file under the real name is always a complete model (a write interrupted half-way

@@ -206,7 +206,7 @@ def post(url: str, body: dict) -> dict:
         return json.loads(answer.read())
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # make test's budget (DEVELOPERS.md): make soak runs it; the pyfunc model's tests stay
 @pytest.mark.timeout(240)  # a server that starts torch and MLflow: over a minute on a busy 2-core machine
 def test_mlflow_models_serve_answers_with_the_model_probabilities(tracking):
     port = free_port()

@@ -319,7 +319,7 @@ def test_ctrl_c_stops_every_worker():
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mode", ["averaging", "shared_gradients"])
+@pytest.mark.parametrize("mode", ["shared_gradients", pytest.param("averaging", marks=pytest.mark.soak)])
 def test_history_training_accuracy_counts_every_workers_batches(mode):
     # A learning rate far below float32's resolution of the weights leaves them as they are:
     # every batch of every worker meets the initial model, so History's "accuracy" must be that

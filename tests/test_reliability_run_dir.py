@@ -161,7 +161,7 @@ def trained_run(tmp_path, one_trained_run):
     return write_config(tmp_path), out
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # make test's budget (DEVELOPERS.md): make soak runs it
 def test_resume_with_another_network_is_refused_with_the_keys_named(tmp_path, trained_run):
     config, out = trained_run
     wider = write_config(tmp_path, "wide.yaml", training__epochs=2, network__layers=[
@@ -181,7 +181,7 @@ def test_resume_with_another_network_is_refused_with_the_keys_named(tmp_path, tr
     assert "n_out: 32" in (out / "config.yaml").read_text()  # the refused resume wrote nothing
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # make test's budget (DEVELOPERS.md): make soak runs it
 def test_changed_batching_is_refused_mid_epoch_and_accepted_at_an_epoch_boundary(tmp_path, trained_run):
     config, out = trained_run
     boundary = dl4py("train", config, "--output", out, "--resume", "--epochs", 2, "--set", "data.limit_train=512",
@@ -282,7 +282,7 @@ def capped_file_size(limit_bytes: int):
     return cap
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # make test's budget (DEVELOPERS.md): make soak runs it
 def test_a_full_disk_before_the_start_and_during_a_save_is_one_line(tmp_path, mnist):
     config = write_config(tmp_path)
     disk = tmp_path / "disk"

@@ -247,7 +247,7 @@ ProcessQueue([job], [Slot(None, 0, 2)], lambda *args: None).run()
 """
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # make test's budget (DEVELOPERS.md): make soak runs it
 def test_a_killed_sweep_leaves_no_process_of_its_parallel_experiment(config, tmp_path):
     out = tmp_path / "sweep"
     run = Run("-c", SWEEP, config, out, dl4py=False)
