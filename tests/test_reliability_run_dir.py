@@ -328,7 +328,7 @@ def read_only(folder: Path):
         folder.chmod(mode)
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # make test's budget (DEVELOPERS.md): make soak runs it
 def test_read_only_and_misplaced_outputs_are_one_line(tmp_path, trained_run):
     config, out = trained_run
     checkpoint = (out / "checkpoint.dl4py").read_bytes()

@@ -241,7 +241,7 @@ def test_an_invalid_grid_value_fails_its_experiments_with_the_message_and_the_ot
     assert "| failed | training.batch_size: must be positive, got 0" in (out / "results.md").read_text()
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # make test's budget (DEVELOPERS.md): an Optuna sweep's resume stays there
 def test_an_interrupted_sweep_resumes_only_what_was_missing(tmp_path, mnist):
     config, out = write_config(tmp_path), tmp_path / "sweep"
     # One slot; the second experiment trains long enough (~2 s) to be stopped in the middle.
