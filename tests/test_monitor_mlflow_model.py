@@ -16,7 +16,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -24,6 +23,7 @@ import pytest
 from dl4py.config import RunConfig
 from dl4py.errors import DataError
 from dl4py.nn.loading import load
+from test_monitor_sinks import in_folder  # MLflow's ./mlruns in a test's folder, no usage reports
 
 # MLflow's SQL store warns about its own use of SQLAlchemy; nothing dl4py can change.
 pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")
@@ -63,14 +63,6 @@ def run(tmp_path_factory):
     run_id = json.loads((tmp / "run" / "mlflow.json").read_text())["run_id"]
     return {"dir": tmp / "run", "uri": uri, "run_id": run_id, "tmp": tmp}
 
-
-@contextmanager
-def in_folder(folder):
-    """MLflow's default artifact root, ./mlruns, lands in ``folder``; no usage reports sent."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.chdir(folder)
-        patch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
-        yield
 
 
 @pytest.fixture(autouse=True)

@@ -56,6 +56,21 @@ def run_cli(*args) -> int:
     return main([str(a) for a in args])
 
 
+def ctrl_c_when(argv: list[str], ready, wait: float) -> tuple[int, str]:
+    """Run ``argv`` (a sweep) in a session of its own and Ctrl-C it once ``ready()`` holds (or it
+    ended, or ``wait`` seconds passed); its exit code and stderr. Killed in any case."""
+    proc = subprocess.Popen(argv, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + wait
+        while not ready() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    return proc.returncode, err
+
+
 def read_rows(sweep_dir: Path) -> list[dict]:
     with open(sweep_dir / "results.csv", newline="") as f:
         return list(csv.DictReader(f))
@@ -247,17 +262,9 @@ def test_an_interrupted_sweep_resumes_only_what_was_missing(tmp_path, mnist):
     # One slot; the second experiment trains long enough (~2 s) to be stopped in the middle.
     argv = [sys.executable, "-m", "dl4py", "sweep", str(config), "--grid", "training.epochs=1,60,2",
             "--devices", "cpu", "--output", str(out)]
-    proc = subprocess.Popen(argv, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     second = out / "002-epochs=60"
-    try:
-        deadline = time.monotonic() + 60
-        while not (second / "metrics.jsonl").is_file() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)  # Ctrl-C
-        _, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130, err
+    returncode, err = ctrl_c_when(argv, (second / "metrics.jsonl").is_file, 60)
+    assert returncode == 130, err
     assert f"continue with dl4py sweep --resume --output {out}" in err
     assert json.loads((out / "001-epochs=1" / "result.json").read_text())["status"] == "completed"
     assert json.loads((second / "result.json").read_text())["status"] == "interrupted"

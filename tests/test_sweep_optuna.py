@@ -11,10 +11,7 @@ import csv
 import json
 import random
 import shutil
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +22,7 @@ from dl4py.errors import ConfigError
 from dl4py.sweep import run
 from dl4py.sweep.processes import Job, ProcessQueue
 from dl4py.sweep.slots import make_slots
+from test_sweep import ctrl_c_when
 
 optuna = pytest.importorskip("optuna")
 
@@ -254,16 +252,8 @@ def test_a_trial_interrupted_with_the_sweep_is_continued_by_resume(tmp_path):
     out = tmp_path / "sweep"
     argv = [sys.executable, "-m", "dl4py", "sweep", str(write_config(tmp_path, epochs)), "--sampler", "tpe",
             "--trials", "1", "--range", f"{LEARNING_RATE}=0.1:0.5", "--devices", "cpu", "--output", str(out)]
-    proc = subprocess.Popen(argv, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while proc.poll() is None and time.monotonic() < deadline and not reported(out):
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGINT)  # Ctrl-C
-        _, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130, err
+    returncode, err = ctrl_c_when(argv, lambda: reported(out), 120)
+    assert returncode == 130, err
     (trial,) = load_study(out).trials
     assert trial.state == optuna.trial.TrialState.RUNNING and 0 < len(trial.intermediate_values) < epochs
     run_dir = out / trial.user_attrs["experiment"]
