@@ -8,9 +8,12 @@ images). Each contestant answers the same ``--requests`` requests:
 
 - ``model.output loop``: one thread calling ``model.output`` on one example at a time,
   what a caller without ParallelInference writes;
-- ``ParallelInference batched`` / ``sequential`` / ``inplace``: ``--clients`` threads
+- ``ParallelInference batched`` / ``sequential`` / ``inplace``, per runtime (``torch``, and
+  ``onnx`` where ONNX Runtime is installed and the device is the CPU): ``--clients`` threads
   (16 by default) share the requests, each sending its next as soon as the last is
-  answered, to a ParallelInference with ``--workers`` replicas.
+  answered, to a ParallelInference with ``--workers`` replicas;
+- ``ParallelInference batched, <runtime>, 1 client``: the loop's one caller asking a
+  ParallelInference instead of ``model.output``.
 
 requests/s is requests over the wall time from the first request to the last answer;
 latency is each request's time from call to answer (p50, p99). Contestants run in turn,
@@ -29,6 +32,7 @@ Writes inference-<cpu|gpu>.json and .md to --out.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import statistics
 import threading
@@ -111,12 +115,12 @@ def plain_loop(model, x, device):
     return run
 
 
-def served(model, x, mode, clients, workers, batch_limit):
+def served(model, x, mode, clients, workers, batch_limit, runtime):
     """``clients`` threads sharing the requests, against a fresh ParallelInference."""
     def run():
         latencies = [[] for _ in range(clients)]
         with ParallelInference(model, workers=workers, inference_mode=mode, batch_limit=batch_limit,
-                               queue_limit=max(64, 2 * clients)) as inference:
+                               queue_limit=max(64, 2 * clients), runtime=runtime) as inference:
             inference.output(x[:1])  # the replicas' first pass outside the clock
 
             def client(c):
@@ -153,12 +157,21 @@ def main() -> None:
     model = MultiLayerNetwork(seed_lenet(), backend="gpu" if device.type == "cuda" else "cpu").init()
     x = MnistDataSetIterator(requests, train=False, shuffle=False, limit=requests).features
     contestants = {LOOP: plain_loop(model, x, device)}
-    for mode in ("batched", "sequential", "inplace"):
-        contestants[f"ParallelInference {mode}"] = served(model, x, mode, args.clients, args.workers, args.batch_limit)
+    runtimes = ["torch"] + (["onnx"] if device.type == "cpu" and importlib.util.find_spec("onnxruntime") else [])
+    for runtime in runtimes:
+        for mode in ("batched", "sequential", "inplace") if runtime == "torch" else ("batched", "inplace"):
+            contestants[f"ParallelInference {mode}, {runtime}"] = served(
+                model, x, mode, args.clients, args.workers, args.batch_limit, runtime)
+        # What the loop's one caller gets by asking ParallelInference instead of model.output.
+        contestants[f"ParallelInference batched, {runtime}, 1 client"] = served(
+            model, x, "batched", 1, args.workers, args.batch_limit, runtime)
 
     model.output(x[:64])  # warm-up: allocator, kernels
     load_before = list(os.getloadavg())  # other work on the machine shows in the tails
     overhead = single_image_overhead(model, x[:1], device)
+    # The first calls after the thread count changes back wait for the intra-op pool's threads
+    # (on a loaded machine up to 0.1 s each): warm the loop before any round is timed.
+    plain_loop(model, x[:256], device)()
     rounds = {name: [] for name in contestants}
     for _ in range(repeats):
         for name, run in contestants.items():
@@ -207,7 +220,9 @@ def main() -> None:
           f"**{result['speedup_over_loop'][k]:.2f}** |" for k, v in figures.items()),
         "",
         f"The loop is one thread calling `model.output` per example; the others are {args.clients} threads "
-        f"sharing the requests. Median of {repeats} interleaved round(s); latency from call to answer. "
+        "(1 where it says so) sharing the requests, against a ParallelInference of that runtime (`torch`: "
+        "copies of the module; `onnx`: ONNX Runtime on the exported file, one intra-op thread per replica). "
+        f"Median of {repeats} interleaved round(s); latency from call to answer. "
         f"Load average (1 min) before and after: {load_before[0]:.2f}, {result['load_average_after'][0]:.2f}.",
     ]
     write(args.out, f"inference-{label(device)}", result, lines)

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 import torch
+from torch import nn
 from devices import backend_for, on_devices, tolerance
 from gates import Gate, GatedModule, wait_for
 
@@ -87,7 +88,7 @@ def _ask_from_threads(inference, x, threads=THREADS):
 @pytest.mark.parametrize("mode", ["batched", "sequential", "inplace"])
 def test_sixteen_threads_get_model_outputs_answers_in_every_mode(trained_on, device, mode):
     model, x, expected = trained_on(device)
-    with ParallelInference(model, workers=2, inference_mode=mode, batch_limit=32) as inference:
+    with ParallelInference(model, workers=2, inference_mode=mode, batch_limit=32, runtime="torch") as inference:
         answers = _ask_from_threads(inference, x)
         stats = inference.stats()
     assert all(a.shape == (1, 10) and a.dtype == expected.dtype and a.device.type == model.device.type for a in answers)
@@ -155,7 +156,8 @@ def test_batched_merges_up_to_exactly_batch_limit_and_each_caller_gets_its_own_r
     starts = np.cumsum([0, *SIZES]).tolist()
     requests = [x[start:start + size] for start, size in zip(starts, SIZES)]  # distinct images: a swap shows
     results = {}
-    with ParallelInference(model, workers=1, batch_limit=6) as inference, gated_replica(inference) as gated:
+    with ParallelInference(model, workers=1, batch_limit=6, runtime="torch") as inference, \
+            gated_replica(inference) as gated:
         blocker = _client(inference, x[100:101], results, "blocker")
         gated.gate.wait_for_arrivals(1)  # the replica runs the blocker; everything after it queues
         threads = _queue_in_order(inference, requests, results)
@@ -170,12 +172,44 @@ def test_batched_merges_up_to_exactly_batch_limit_and_each_caller_gets_its_own_r
         assert_answers(results[i], expected[start:start + size], device)
 
 
+class ThreadRecorder(nn.Module):
+    """``inner``, noting which thread ran each forward pass and on how many examples."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner, self.passes = inner, []
+
+    def forward(self, x):
+        self.passes.append((threading.current_thread().name, int(x.shape[0])))
+        return self.inner(x)
+
+
+def test_a_short_lone_request_runs_in_its_callers_thread_and_a_long_one_is_queued(trained_on):
+    """No hand-off where nothing waits to be merged: once a pass has been measured, a request
+    expected to take under INLINE_SECONDS runs in the caller's thread; a long one goes to the
+    replica's thread, as every request does before the first measurement."""
+    model, x, expected = trained_on("cpu")
+    with ParallelInference(model, workers=1, runtime="torch") as inference:
+        recorder = inference.replicas[0].module = ThreadRecorder(inference.replicas[0].module)
+        answers = [inference.output(x[i:i + 1]) for i in range(3)]
+        many = torch.cat([x] * 40)  # 40,960 examples: far over INLINE_SECONDS
+        long_answer = inference.output(many)
+        stats = inference.stats()
+    caller = threading.current_thread().name
+    assert [name for name, _ in recorder.passes[:3]] == ["dl4py-inference-0", caller, caller], recorder.passes
+    assert {name for name, rows in recorder.passes[3:]} == {"dl4py-inference-0"}  # chunks of the long one
+    assert_answers(torch.cat(answers), expected[:3], "cpu")
+    assert_answers(long_answer[-len(x):], expected, "cpu")
+    assert stats["requests"] == 4 and stats["examples"] == 3 + len(many) and stats["failed"] == 0
+
+
 @on_devices
 def test_a_malformed_request_fails_alone_and_the_batch_it_met_is_answered(trained_on, device):
     model, x, expected = trained_on(device)
     good = [x[i:i + 2] for i in range(0, 14, 2)]  # 7 requests of 2 examples
     results = {}
-    with ParallelInference(model, workers=1, batch_limit=64) as inference, gated_replica(inference) as gated:
+    with ParallelInference(model, workers=1, batch_limit=64, runtime="torch") as inference, \
+            gated_replica(inference) as gated:
         blocker = _client(inference, x[100:101], results, "blocker")
         gated.gate.wait_for_arrivals(1)
         threads = _queue_in_order(inference, good[:3], results)
@@ -197,8 +231,8 @@ def test_a_malformed_request_fails_alone_and_the_batch_it_met_is_answered(traine
 def test_a_full_queue_raises_at_once_or_after_its_timeout_then_serves_on(trained_on, device):
     model, x, expected = trained_on(device)
     results = {}
-    with ParallelInference(model, workers=1, inference_mode="sequential", queue_limit=2,
-                           queue_timeout=0) as inference, gated_replica(inference) as gated:
+    with ParallelInference(model, workers=1, inference_mode="sequential", queue_limit=2, queue_timeout=0,
+                           runtime="torch") as inference, gated_replica(inference) as gated:
         blocker = _client(inference, x[:1], results, "blocker")
         gated.gate.wait_for_arrivals(1)
         threads = _queue_in_order(inference, [x[1:2], x[2:3]], results)  # the queue is full
@@ -218,7 +252,7 @@ def test_a_full_queue_raises_at_once_or_after_its_timeout_then_serves_on(trained
 @on_devices
 def test_close_fails_pending_requests_instead_of_hanging(trained_on, device):
     model, x, expected = trained_on(device)
-    inference = ParallelInference(model, workers=1, inference_mode="sequential")
+    inference = ParallelInference(model, workers=1, inference_mode="sequential", runtime="torch")
     results = {}
     with gated_replica(inference) as gated:
         blocker = _client(inference, x[:1], results, "blocker")
@@ -257,7 +291,7 @@ def test_replicas_keep_the_models_precision(trained_on, device):
 @pytest.mark.gpu
 def test_replicas_spread_over_the_cpu_and_a_gpu_answer_on_the_models_device(trained_on):
     model, x, expected = trained_on("cpu")
-    with ParallelInference(model, workers=2, devices=["cpu", "cuda:0"], batch_limit=8) as inference:
+    with ParallelInference(model, workers=2, devices=["cpu", "cuda:0"], batch_limit=8, runtime="torch") as inference:
         assert [r.device.type for r in inference.replicas] == ["cpu", "cuda"]
         answers = _ask_from_threads(inference, x[:256], threads=8)
         stats = inference.stats()

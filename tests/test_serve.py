@@ -217,6 +217,7 @@ def test_health_and_metadata(trained, tmp_path):
     assert metadata["epochs"] == 1 and metadata["iterations"] == model.iteration_count == 10
     assert metadata["labels"][3] == "digit 3"
     assert metadata["inference"]["workers"] == 2 and metadata["inference"]["batch_limit"] == 16
+    assert metadata["inference"]["runtime"] == "onnx"  # auto, with dl4py[export] installed
     assert answer["labels"] == [f"digit {answer['predictions'][0]}"]
 
 
@@ -339,7 +340,7 @@ async def _load_until_stopped(server, rows, clients, stop_after, gate):
 def test_a_shutdown_under_load_answers_every_request_it_received(trained_on, device):
     model, x, expected, rows = trained_on(device)
     clients, stop_after = 24, 200
-    server = PredictionServer(model, port=0, max_body_bytes=LIMIT).start()
+    server = PredictionServer(model, port=0, max_body_bytes=LIMIT, runtime="torch").start()  # a gate on its module
     replica = server.service.inference.replicas[0]
     gate = Gate()
     replica.module = GatedModule(replica.module, gate)
@@ -392,6 +393,9 @@ def test_dl4py_serve_command_answers_and_stops_on_sigterm(trained, tmp_path, dev
         connection.request("GET", "/metadata")
         metadata = json.loads(connection.getresponse().read())
         assert metadata["model"] == "model.dl4py" and metadata["epochs"] == 1 and metadata["input_shape"] == [784]
+        # --runtime auto: ONNX Runtime where the replicas are on the CPU (the extra is in the tests')
+        runtime = "onnx" if device == "cpu" else "torch"
+        assert metadata["inference"]["runtime"] == runtime and f"runtime {runtime})" in line, (metadata, line)
         connection.request("POST", "/predict", body=features_body(rows, [10, 11]),
                            headers={"Content-Type": "application/json"})
         response = connection.getresponse()

@@ -108,6 +108,23 @@ def answer_of(raw: bytes) -> tuple[int, dict]:
     return int(head.split()[1]), json.loads(body)
 
 
+def test_a_body_that_keeps_arriving_is_read_however_long_it_takes_in_all(linear):
+    """body_timeout bounds each pause, not the whole body: six pieces a quarter of a second apart
+    take 1.5 s against a 1 s body_timeout, and the request is answered."""
+    pieces = [GOOD[i:i + 7] for i in range(0, len(GOOD), 7)][:6]
+    pieces[-1] += GOOD[sum(len(piece) for piece in pieces):]
+    with serving(linear, body_timeout=1.0) as server:
+        sock = opened(server.port, HALF_SENT + b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(GOOD))
+        try:
+            for piece in pieces:
+                time.sleep(0.25)
+                sock.sendall(piece)
+            got, answer = answer_of(until_closed(sock))
+        finally:
+            sock.close()
+    assert got == 200 and len(answer["predictions"]) == 1, answer
+
+
 # ---- connections -----------------------------------------------------------------------------
 def test_half_sent_requests_are_closed_at_the_header_deadline_and_a_valid_client_is_answered(linear, caplog):
     half = []
@@ -201,6 +218,25 @@ def test_deep_nesting_and_huge_numbers_get_4xx_naming_them_and_no_traceback(line
     assert after == 200 and len(answer["predictions"]) == 1
     assert beyond_int64 == 200  # a number numpy keeps as an object, not "different lengths"
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR], caplog.text
+
+
+def test_nesting_is_refused_one_level_past_the_limit_and_many_examples_are_not_nesting():
+    from dl4py.serve.body import MAX_NESTING, RequestError, read_features
+
+    def refusal(body):
+        with pytest.raises(RequestError) as caught:
+            read_features(body, (4,))
+        return caught.value.status, caught.value.message
+
+    over = b'{"features": ' + b"[" * MAX_NESTING + b"1" + b"]" * MAX_NESTING + b"}"  # the object + 32 arrays
+    # 32 levels, with one more array opened beside the deepest: counting openings would refuse it.
+    at = b'{"features": ' + b"[" * (MAX_NESTING - 2) + b"[1], [1]" + b"]" * (MAX_NESTING - 2) + b"}"
+    assert refusal(over) == (400, f"the body nests arrays or objects {MAX_NESTING + 1} levels deep, deeper than "
+                                  f"the {MAX_NESTING} this server reads; features are a list of examples, each "
+                                  "nested as one example's shape")
+    assert refusal(at)[0] == 422  # read, then refused for its shape
+    wide = json.dumps({"features": [[1, 2, 3, 4]] * 100}).encode()  # 101 arrays opened, 3 levels deep
+    assert read_features(wide, (4,)).shape == (100, 4)
 
 
 # ---- the command, under a low open-file limit --------------------------------------------------

@@ -223,6 +223,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-header-bytes", type=int, default=16 * 1024,
                        help="largest request line and headers; larger gets 431 (default 16384)")
     serve.add_argument("--inference-mode", default="batched", choices=["batched", "sequential", "inplace"])
+    serve.add_argument("--runtime", default="auto", choices=["auto", "torch", "onnx", "torchscript"],
+                       help="what runs the model: ONNX Runtime on the exported network, TorchScript, or torch "
+                            "(default auto: onnx where dl4py[export] is installed and the network exports, else torch)")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="on SIGTERM/SIGINT, seconds to finish the requests received before giving up on them")
     serve.add_argument("--backend", choices=["auto", "cpu", "gpu"])
@@ -680,10 +683,12 @@ def _serve(args) -> int:
         _saved_model(args.model), host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
         log_level="info", backend=args.backend, workers=args.workers, batch_limit=args.batch_limit,
         queue_limit=args.queue_limit, queue_timeout=args.queue_timeout, max_body_bytes=args.max_body_bytes,
-        body_timeout=args.body_timeout, inference_mode=args.inference_mode, max_connections=args.max_connections,
+        body_timeout=args.body_timeout, inference_mode=args.inference_mode, runtime=args.runtime,
+        max_connections=args.max_connections,
         header_timeout=args.header_timeout, keep_alive_timeout=args.keep_alive_timeout,
         max_header_bytes=args.max_header_bytes)
-    print(f"dl4py serve: {server.service.metadata['model']} (version {server.service.model_version}) on "
+    print(f"dl4py serve: {server.service.metadata['model']} (version {server.service.model_version}, runtime "
+          f"{server.service.inference.runtime}) on "
           f"{server.url}: POST /predict, GET /health, GET /metadata; Ctrl-C or SIGTERM stops", flush=True)
     server.serve_forever()
     print("dl4py serve: stopped", file=sys.stderr)

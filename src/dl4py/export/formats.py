@@ -60,6 +60,11 @@ def default_path(model_path, format: str) -> Path:
 
 
 def _onnx(model, path: Path) -> None:
+    atomic_write_bytes(path, onnx_bytes(model))
+
+
+def onnx_bytes(model) -> bytes:
+    """The ONNX file ``export(model, path, "onnx")`` writes, as bytes (weights inside)."""
     for package in ("onnx", "onnxscript"):
         try:
             __import__(package)
@@ -74,7 +79,7 @@ def _onnx(model, path: Path) -> None:
         )
     buffer = io.BytesIO()
     program.save(buffer)  # weights inside the one file
-    atomic_write_bytes(path, buffer.getvalue())
+    return buffer.getvalue()
 
 
 @contextlib.contextmanager
@@ -95,13 +100,20 @@ def _quiet_exporter():
 
 
 def _torchscript(model, path: Path) -> None:
+    traced = traced_module(model)
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit's deprecation notice
+        torch.jit.save(traced, buffer)
+    atomic_write_bytes(path, buffer.getvalue())
+
+
+def traced_module(model) -> torch.jit.ScriptModule:
+    """``InferenceModule(model)`` traced by ``torch.jit.trace``: what the TorchScript file holds."""
     module = InferenceModule(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.jit's deprecation notice; tracing still works
-        traced = torch.jit.trace(module, module.example(), check_trace=False)
-        buffer = io.BytesIO()
-        torch.jit.save(traced, buffer)
-    atomic_write_bytes(path, buffer.getvalue())
+        return torch.jit.trace(module, module.example(), check_trace=False)
 
 
 # Entries of a full model file that inference does not read.

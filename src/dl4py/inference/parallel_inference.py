@@ -11,25 +11,44 @@ not processes: a forward pass spends its time in torch kernels, which release th
 
 Each request is checked (``model.check_features``) before it is queued, so a malformed one
 fails alone, in its caller, and never reaches a batch it would spoil.
+
+A short request runs in its caller's thread when nothing is queued and a replica is free (in
+the batched and sequential modes too): with nothing to merge it with, handing it to a replica's
+thread and the answer back would cost two thread wake-ups, more than a small network's forward
+pass. Short: its examples times the measured seconds per example, under ``INLINE_SECONDS``;
+until a forward pass has been measured every request is queued.
+
+``runtime`` picks what runs a replica (``runtimes.py``): ``torch`` (the model's own module),
+``onnx`` (ONNX Runtime on the exported file), ``torchscript``, or ``auto`` (the default: onnx
+where it gives ``model.output``'s answers, else torch).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import weakref
-from collections import Counter
+from collections import Counter, deque
+from concurrent.futures import Future
 
 import numpy as np
 import torch
 
 from dl4py.errors import ConfigError, DataError, InferenceError
-from dl4py.inference.replicas import make_replicas
+from dl4py.inference.runtimes import make_runtime_replicas
 from dl4py.inference.requests import ReplicaPool, Request, RequestQueue
 from dl4py.nn.model import _as_tensor, as_iterator
 
 MODES = ("batched", "sequential", "inplace")
 # How long close() waits for a replica's thread to finish the forward pass it is in.
 JOIN_SECONDS = 60.0
+# A request whose forward pass should take less than this runs in its caller's thread when a
+# replica is free and nothing waits: an event loop may be held up that long (a JSON body of a
+# few kilobytes takes about as long to parse).
+INLINE_SECONDS = 0.0005
+# The estimate of seconds per example is the least of the last this-many forward passes': a
+# pass the machine interrupted (another process, a page fault) only ever takes longer.
+RECENT_PASSES = 16
 
 
 class ParallelInference:
@@ -42,10 +61,13 @@ class ParallelInference:
     model as it is when this is made; a model trained further needs a new ParallelInference.
     ``queue_timeout``: seconds a caller waits for room in a full queue (for a free replica
     in the inplace mode) before an InferenceError; None waits until there is room, 0 never.
+    ``runtime``: ``auto``, ``torch``, ``onnx`` or ``torchscript``; ``self.runtime`` says which
+    answers and ``self.runtime_reason`` why.
     """
 
     def __init__(self, model, workers: int = 1, devices=None, inference_mode: str = "batched",
-                 batch_limit: int = 32, queue_limit: int = 64, queue_timeout: float | None = None):
+                 batch_limit: int = 32, queue_limit: int = 64, queue_timeout: float | None = None,
+                 runtime: str = "auto"):
         if inference_mode not in MODES:
             raise ConfigError("inference_mode", f"must be one of {', '.join(MODES)}; got {inference_mode!r}")
         for name, value in (("batch_limit", batch_limit), ("queue_limit", queue_limit)):
@@ -59,7 +81,8 @@ class ParallelInference:
         self.inference_mode = inference_mode
         self.batch_limit = batch_limit if inference_mode == "batched" else 1
         self.queue_limit, self.queue_timeout = queue_limit, queue_timeout
-        self.replicas = make_replicas(model, workers, devices)
+        self.replicas, choice = make_runtime_replicas(model, workers, devices, runtime)
+        self.runtime, self.runtime_reason = choice.name, choice.reason
         self._stats = _Stats()
         self._closed = False
         if inference_mode == "inplace":
@@ -83,19 +106,48 @@ class ParallelInference:
         """Predictions for ``features`` (``[n, ...]``, numpy or tensor, or any data ``output``
         takes); safe to call from many threads at once. DataError for features that do not
         fit the network; InferenceError when the queue stays full or this is closed."""
+        return self.submit(features).result()
+
+    def submit(self, features) -> Future:
+        """``output(features)`` without waiting for it: a ``concurrent.futures.Future`` of the
+        answer (``asyncio.wrap_future`` awaits it in an event loop). The request is checked and
+        queued before this returns, so DataError and a full queue's InferenceError are raised
+        here; in the inplace mode the caller's thread runs the replica, and the future is done."""
         if self._closed:
             raise InferenceError("ParallelInference is closed: it takes no more requests")
         x = _features(self.model, self._signature, features)
         self.model.check_features(x, "ParallelInference.output(features)")
+        answer: Future = Future()
         if x.shape[0] == 0:  # what Model.output gives for no examples
-            return torch.empty(0, device=self.model.backend.device)
-        if self._pool is not None:
-            predictions = self._inplace(x)
+            answer.set_result(torch.empty(0, device=self.model.backend.device))
+        elif self._pool is not None:
+            answer.set_result(_as_model_returns(self._signature, self._inplace(x)))
+        elif self._stats.short(x.shape[0]) and not len(self._queue) and self._run_here(x, answer):
+            pass  # answered in this thread
         else:
             request = Request(x)
             self._queue.put(request, self.queue_timeout)
-            predictions = request.future.result()
-        return _as_model_returns(self._signature, predictions)
+            if len(self._signature.outputs) == 1:
+                return request.future  # its rows are the answer as they are
+            request.future.add_done_callback(lambda done: _pass_on(done, answer, self._signature))
+        return answer
+
+    def _run_here(self, x: torch.Tensor, answer: Future) -> bool:
+        """Run ``x`` on a free replica in this thread, its predictions (or error) into
+        ``answer``; False when every replica is busy."""
+        for replica in self.replicas:
+            start = time.perf_counter()
+            try:
+                predictions = replica.try_predict(x)
+            except BaseException as error:  # noqa: BLE001 - the caller gets it, as from a replica's thread
+                self._stats.failed_one()
+                answer.set_exception(error)
+                return True
+            if predictions is not None:
+                self._stats.ran([x.shape[0]], time.perf_counter() - start)
+                answer.set_result(_as_model_returns(self._signature, predictions))
+                return True
+        return False
 
     def _inplace(self, x: torch.Tensor) -> torch.Tensor:
         replica = self._pool.borrow(self.queue_timeout)
@@ -126,7 +178,7 @@ class ParallelInference:
 
     def __repr__(self) -> str:
         return (f"ParallelInference({type(self.model).__name__}, workers={self.workers}, "
-                f"inference_mode={self.inference_mode!r}, batch_limit={self.batch_limit}, "
+                f"runtime={self.runtime!r}, inference_mode={self.inference_mode!r}, batch_limit={self.batch_limit}, "
                 f"queue_limit={self.queue_limit}{', closed' if self._closed else ''})")
 
 
@@ -143,6 +195,7 @@ def _serve(queue: RequestQueue, replica, batch_limit: int, stats: "_Stats") -> N
 
 def _answer(replica, requests: list[Request], stats: "_Stats") -> None:
     features = requests[0].features if len(requests) == 1 else torch.cat([r.features for r in requests])
+    start = time.perf_counter()
     try:
         predictions = replica.predict(features)
     except BaseException as error:  # noqa: BLE001 - the callers get it; the thread serves on
@@ -154,11 +207,11 @@ def _answer(replica, requests: list[Request], stats: "_Stats") -> None:
         stats.failed_one()
         requests[0].future.set_exception(error)
         return
-    stats.ran([r.size for r in requests])
-    start = 0
+    stats.ran([r.size for r in requests], time.perf_counter() - start)
+    row = 0
     for request in requests:
-        request.future.set_result(predictions[start:start + request.size])
-        start += request.size
+        request.future.set_result(predictions[row:row + request.size])
+        row += request.size
 
 
 def _shut_down(queue, pool, threads) -> None:
@@ -183,6 +236,15 @@ def _features(model, signature, features) -> torch.Tensor:
     return _as_tensor(features, "ParallelInference.output(features)")
 
 
+def _pass_on(done: Future, answer: Future, signature) -> None:
+    """``answer`` gets ``done``'s predictions split as the model returns them, or its error."""
+    error = done.exception()
+    if error is not None:
+        answer.set_exception(error)
+    else:
+        answer.set_result(_as_model_returns(signature, done.result()))
+
+
 def _as_model_returns(signature, predictions: torch.Tensor):
     """A graph with several outputs returns one tensor per output, as its ``output`` does."""
     if len(signature.outputs) == 1:
@@ -198,11 +260,21 @@ class _Stats:
         self._sizes: Counter[int] = Counter()
         self._requests = 0
         self._failed = 0
+        self._recent_seconds_per_example: deque[float] = deque(maxlen=RECENT_PASSES)
 
-    def ran(self, request_sizes: list[int]) -> None:
+    def ran(self, request_sizes: list[int], seconds: float | None = None) -> None:
+        examples = sum(request_sizes)
         with self._lock:
-            self._sizes[sum(request_sizes)] += 1
+            self._sizes[examples] += 1
             self._requests += len(request_sizes)
+            if seconds is not None:
+                self._recent_seconds_per_example.append(seconds / examples)
+
+    def short(self, examples: int) -> bool:
+        """Whether a forward pass of ``examples`` should take under INLINE_SECONDS (False until one
+        was measured). Without the lock: a pass appended meanwhile only moves the choice by one."""
+        recent = tuple(self._recent_seconds_per_example)
+        return bool(recent) and min(recent) * examples < INLINE_SECONDS
 
     def failed_one(self) -> None:
         with self._lock:

@@ -29,11 +29,25 @@ class Replica:
 
     def predict(self, features: torch.Tensor) -> torch.Tensor:
         """Predictions for ``features`` ``[n, ...]``, on the model's device (where ``output``
-        puts them). No grad rather than inference mode: inference tensors cannot be
-        changed in place later, which ``output``'s results can."""
+        puts them), once this replica is free."""
+        with self.lock:
+            return self.run(features)
+
+    def try_predict(self, features: torch.Tensor) -> torch.Tensor | None:
+        """``predict``, if this replica is free at once; None when it is busy."""
+        if not self.lock.acquire(blocking=False):
+            return None
+        try:
+            return self.run(features)
+        finally:
+            self.lock.release()
+
+    def run(self, features: torch.Tensor) -> torch.Tensor:
+        """The forward pass itself (the caller holds ``lock``). No grad rather than inference
+        mode: inference tensors cannot be changed in place later, which ``output``'s results can."""
         model, out_device = self.model, self.model.backend.device
         outputs = []
-        with self.lock, torch.no_grad():
+        with torch.no_grad():
             for start in range(0, features.shape[0], CHUNK):
                 chunk = model.prepare_input(features[start:start + CHUNK].to(self.device))
                 with model.precision.forward_context(self.device):

@@ -58,8 +58,8 @@ def _json(body: bytes):
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise RequestError(400, f"the body is not UTF-8 text: byte {exc.start} cannot be decoded") from None
-    depth = _nesting(body)
-    if depth > MAX_NESTING:
+    depth = _nesting_over(body, MAX_NESTING)
+    if depth is not None:
         raise RequestError(400, f"the body nests arrays or objects {depth} levels deep, deeper than the "
                                 f"{MAX_NESTING} this server reads; features are a list of examples, each "
                                 "nested as one example's shape")
@@ -72,17 +72,25 @@ def _json(body: bytes):
         raise RequestError(422, _long_number(body, sys.get_int_max_str_digits())) from None
 
 
-def _nesting(body: bytes) -> int:
-    """How deep the body's arrays and objects nest, without parsing it (bytes that are not
-    JSON give some number; the parser tells what is wrong with them)."""
+def _nesting_over(body: bytes, limit: int) -> int | None:
+    """How deep the body's arrays and objects nest when that is deeper than ``limit``, else
+    None; without parsing it (bytes that are not JSON give some number; the parser tells what
+    is wrong with them)."""
     if b"\\" in body:  # drop escapes first, so that an escaped quote does not end a string
         body = body.replace(b"\\\\", b"").replace(b'\\"', b"")
     structure = body.translate(None, _NOT_STRUCTURE)  # a few bytes per example, not one per number
+    if structure.count(b"[") + structure.count(b"{") <= limit:
+        return None  # it cannot nest deeper than it opens: most bodies end here
     codes = np.frombuffer(structure, np.uint8)
     quotes = codes == ord('"')
     outside = np.cumsum(quotes) % 2 == 0  # a quote opens a string, the next one closes it
-    steps = np.isin(codes, (ord("["), ord("{"))).astype(np.int64) - np.isin(codes, (ord("]"), ord("}")))
-    return int(np.cumsum(steps * outside).max(initial=0))
+    # Comparisons rather than np.isin, which sorts its operands: a tenth of the time on the few
+    # bytes a small body leaves.
+    opens = (codes == ord("[")) | (codes == ord("{"))
+    closes = (codes == ord("]")) | (codes == ord("}"))
+    steps = opens.astype(np.int64) - closes
+    depth = int(np.cumsum(steps * outside).max(initial=0))
+    return depth if depth > limit else None
 
 
 def _long_number(body: bytes, limit: int) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from math import inf
 from pathlib import Path
 
@@ -28,6 +28,10 @@ from dl4py.serve.body import read_features
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # about 500 MNIST images as JSON text
 DEFAULT_QUEUE_TIMEOUT = 10.0
 DEFAULT_BODY_TIMEOUT = 10.0  # the longest pause while a body arrives
+# Bodies up to this size are read in the event loop (a few MNIST images as JSON, well under a
+# millisecond to parse); larger ones in a pool thread, so that one large body never holds up
+# the other connections.
+LOOP_BODY_BYTES = 64 * 1024
 
 
 def load_model(path, backend=None):
@@ -42,7 +46,7 @@ class Service:
     def __init__(self, model, *, model_file=None, workers: int = 1, devices=None, inference_mode: str = "batched",
                  batch_limit: int = 32, queue_limit: int = 64, queue_timeout: float = DEFAULT_QUEUE_TIMEOUT,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout: float = DEFAULT_BODY_TIMEOUT,
-                 input_shape=None, labels=None):
+                 input_shape=None, labels=None, runtime: str = "auto"):
         for name, value in (("max_body_bytes", max_body_bytes), ("queue_limit", queue_limit)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(name, f"must be a whole number >= 1, got {value!r}")
@@ -74,7 +78,9 @@ class Service:
         # Admitted requests never outnumber queue_limit (the server holds the rest), so
         # ParallelInference's own queue of that size never makes a pool thread wait for room.
         self.inference = ParallelInference(model, workers=workers, devices=devices, inference_mode=inference_mode,
-                                           batch_limit=batch_limit, queue_limit=queue_limit, queue_timeout=None)
+                                           batch_limit=batch_limit, queue_limit=queue_limit, queue_timeout=None,
+                                           runtime=runtime)
+        self.metadata["inference"]["runtime"] = self.inference.runtime
         self.pool = ThreadPoolExecutor(queue_limit, thread_name_prefix="dl4py-serve")
         self.draining = False
         self._lock = threading.Lock()
@@ -83,8 +89,22 @@ class Service:
     def answer(self, body: bytes) -> bytes:
         """The JSON answer to one ``/predict`` body (in a pool thread). RequestError for a
         body the model cannot take; DataError and InferenceError as ParallelInference raises them."""
-        features = read_features(body, self.example_shape)
-        outputs = self.inference.output(features)
+        return self.encode(self.inference.output(read_features(body, self.example_shape)))
+
+    def submit(self, body: bytes) -> Future:
+        """For a small body, in the event loop: its features read and queued for the replicas,
+        the future of their outputs (``encode`` makes the answer). Parsing a few kilobytes costs
+        less than handing the body to a pool thread and the outputs back (two thread wake-ups
+        per request); the replicas still run in their own threads, merging what waits."""
+        return self.inference.submit(read_features(body, self.example_shape))
+
+    def reads_in_loop(self, body: bytes) -> bool:
+        """Whether ``submit`` may take ``body`` in the event loop: a small one, and a mode in
+        which the replicas run in their own threads (inplace runs them in the caller's)."""
+        return len(body) <= LOOP_BODY_BYTES and self.inference.inference_mode != "inplace"
+
+    def encode(self, outputs: torch.Tensor) -> bytes:
+        """The JSON answer for the model's ``outputs`` of one request."""
         values = outputs.detach().to("cpu", torch.float32).numpy()
         if self.classifier:
             classes = _classes(values)
