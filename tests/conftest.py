@@ -16,6 +16,11 @@ SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 if "DL4PY_DATA" not in os.environ and (SHARED_DATA / "mnist").is_dir():
     os.environ["DL4PY_DATA"] = str(SHARED_DATA)
 
+# Tests train eagerly unless they ask for compile: `compile: auto` (the default) would compile a
+# test's long-planned fit, about half a minute of a 2-core machine each time (subprocesses
+# inherit this). The tests of auto itself unset it (test_compile_auto.py).
+os.environ.setdefault("DL4PY_COMPILE", "off")
+
 
 def mnist_dir() -> Path | None:
     root = os.environ.get("DL4PY_DATA")

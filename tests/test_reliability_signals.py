@@ -214,17 +214,19 @@ def test_sigterm_keeps_the_partial_epoch_of_a_single_process_run(config, tmp_pat
 
 @pytest.mark.parametrize("workers, message", [
     (1_000_000, f"workers: is 1000000 but an epoch has only {BATCHES} batches"),
-    (100, "workers: is 100, which puts 100 workers on the CPU of a machine with 2 cores; use at most 8"),
+    (100, "workers: is 100, which puts 100 workers on the 2 CPU cores this process may use; use at most 8"),
 ])
 def test_too_many_workers_is_one_line_naming_workers_before_any_process_starts(
         config, tmp_path, capsys, monkeypatch, workers, message):
     import torch.multiprocessing
 
+    import dl4py.parallel.preflight as preflight
+
     def no_spawning(*args, **kwargs):
         raise AssertionError("a process context was asked for")
 
     monkeypatch.setattr(torch.multiprocessing, "get_context", no_spawning)
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(preflight, "usable_cores", lambda: 2)  # the same message on any machine
     code = main(["train", str(config), "--workers", str(workers), "--output", str(tmp_path / "run"), "--no-progress"])
     err = capsys.readouterr().err
     assert code == 2

@@ -30,7 +30,7 @@ from dl4py.sweep.processes import Job, ProcessQueue
 from dl4py.sweep import results
 from dl4py.sweep.results import collect_rows, read_result
 from dl4py.sweep.runner import _claim
-from dl4py.sweep.slots import available_cpus
+from dl4py.parallel.threads import usable_cores
 
 MLP = """\
 network:
@@ -210,7 +210,7 @@ def test_a_2x2_grid_on_two_cpu_slots_ranks_four_runs_and_saves_the_best_config(g
         assert result["status"] == "completed" and result["backend"] == "cpu"
         # two slots share the cores: each run had its share of threads, not all of them
         env = json.loads((out / name / "environment.json").read_text())
-        assert env["cpu_threads"] == max(1, available_cpus() // 2)
+        assert env["cpu_threads"] == max(1, usable_cores() // 2)
     outcomes = json.loads((out / "outcomes.json").read_text())
     assert {o["slot"] for o in outcomes.values()} == {"cpu#0", "cpu#1"}
 

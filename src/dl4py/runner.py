@@ -10,6 +10,7 @@ layer over ``train_run``.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import shutil
@@ -29,13 +30,14 @@ from dl4py.eval import RegressionEvaluation
 from dl4py.io import atomic_write_json, atomic_write_text
 from dl4py.launchers import choose_launcher, fit_on_spark
 from dl4py.memory.auto import auto_batch_size
-from dl4py.monitor.environment import environment_record
+from dl4py.monitor.environment import environment_record, with_worker_threads
 from dl4py.monitor.run_logging import RunLogging, class_fields
 from dl4py.nn.loading import load, network_model
 from dl4py.nn.model_file import read_meta
 from dl4py.parallel import EarlyStoppingParallelTrainer, ParallelWrapper
 from dl4py.resume import check_resume, resumed_message
 from dl4py.run_dir import CHECKPOINT, MODEL, RunRecord, prepare_run_dir, remove_new_run, saved_files
+from dl4py.train.compile_choice import compile_record
 from dl4py.train.early_stopping import (
     EarlyStoppingConfiguration,
     EarlyStoppingTrainer,
@@ -228,7 +230,8 @@ def _fit_run(record: RunRecord, data: _RunData, listeners: list, epochs_left: in
     config asks for it (else None), which the record keeps for ``result.json``."""
     config, model = record.config, record.model
     if config.training.early_stopping is None:
-        return _fit(model, config.training, data.train, epochs_left, listeners, data.validation, launch), None
+        return _fit(model, config.training, data.train, epochs_left, listeners, data.validation, launch,
+                    record.run_dir), None
     stopping = _fit_early_stopping(model, config, data.train, data.validation, data.test, record.run_dir, listeners)
     record.early_stopping = {**stopping.to_dict(),
                              "score_set": "validation" if data.validation is not None else "test"}
@@ -329,7 +332,7 @@ def _resolve_batch_size(config: RunConfig, model, train, resumed_dir: Path | Non
     return config.with_overrides([f"training.batch_size={batch}"])
 
 
-def _fit(model, training, train, epochs: int, listeners: list, validation, launch):
+def _fit(model, training, train, epochs: int, listeners: list, validation, launch, run_dir: Path):
     if training.workers == 1 and launch.name != "spark":
         return model.fit(train, epochs=epochs, listeners=listeners, validation=validation, verbose=0)
     if epochs == 0:
@@ -338,8 +341,19 @@ def _fit(model, training, train, epochs: int, listeners: list, validation, launc
     if launch.name == "spark":  # this process is the driver: Spark tasks are the ranks
         return fit_on_spark(launch, model, options, train, epochs, _parallel_listeners(listeners), validation,
                             use_gpu=training.backend == "gpu")
-    return ParallelWrapper(model, options=options).fit(train, epochs=epochs, listeners=_parallel_listeners(listeners),
-                                                       validation=validation, verbose=0)
+    wrapper = ParallelWrapper(model, options=options)
+    history = wrapper.fit(train, epochs=epochs, listeners=_parallel_listeners(listeners), validation=validation,
+                          verbose=0)
+    _record_worker_threads(run_dir, training.workers, wrapper.last_threads)
+    return history
+
+
+def _record_worker_threads(run_dir: Path, workers: int, threads: dict[int, int]) -> None:
+    """``environment.json``, written before training, completed with the intra-op threads
+    the parallel fit's workers reported (none: a fit that reported nothing)."""
+    if threads:
+        path = run_dir / "environment.json"
+        atomic_write_json(path, with_worker_threads(json.loads(path.read_text()), workers, threads))
 
 
 def _parallel_listeners(listeners: list) -> list:
@@ -374,7 +388,9 @@ def _fit_early_stopping(model, config: RunConfig, train, validation, test, run_d
         return EarlyStoppingTrainer(es_config, model, train, listeners=listeners).fit(verbose=0)
     trainer = EarlyStoppingParallelTrainer(es_config, model, train, listeners=_parallel_listeners(listeners),
                                            options=training.parallel_options())
-    return trainer.fit(verbose=0)
+    stopping = trainer.fit(verbose=0)
+    _record_worker_threads(run_dir, training.workers, trainer.wrapper.last_threads)
+    return stopping
 
 
 def _eval_fields(evaluation) -> dict:
@@ -417,6 +433,7 @@ def result_fields(config: RunConfig, model, summaries, evaluation, started: floa
         "workers": config.training.workers,
         "precision": model.precision.name,
         "batch_size": config.training.batch_size,
+        "compile": compile_record(model),  # compile: auto's choice and why (train/compile_choice.py)
         "epoch_summaries": [s.to_dict() for s in summaries],
     }
     if evaluation is not None:

@@ -17,10 +17,11 @@ DEFAULTS: dict[str, Any] = {
     "allow_multi_gpu": True, "devices": None, "max_device_cache": None,
     "max_cacheable_chunk": None, "gc_threshold": None, "expandable_segments": False,
     "caching": True, "pinned_memory": True, "tf32": None, "cudnn_benchmark": False,
-    "deterministic": False, "debug": False, "compile": "off", "cuda_graphs": False,
+    "deterministic": False, "debug": False, "compile": "auto", "cuda_graphs": False,
     "device_data": "auto", "fused_optimizer": "auto", "channels_last": "auto",
 }
-COMPILE_MODES = ("off", "default", "max-autotune")
+# auto: compiled where the fit's planned steps pay for compiling (train/compile_choice.py)
+COMPILE_MODES = ("auto", "off", "default", "max-autotune")
 # Speed switches of the training path (docs/performance.md): auto lets dl4py decide per
 # device and network; on insists (an error where it cannot apply); off never.
 SWITCHES = ("device_data", "fused_optimizer", "channels_last")

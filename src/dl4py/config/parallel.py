@@ -163,6 +163,10 @@ class ParallelOptions:
     - ``timeout``: seconds any wait on another process may last before it is an error; a
       rank kept waiting that long at a collective has the rank that did not arrive named,
       with the phase it is in, and the fit ends (``parallel/watchdog.py``).
+    - ``threads_per_worker``: intra-op threads of each CPU worker. Default: the user's budget
+      (``torch.get_num_threads()`` where ``fit`` is called, which ``OMP_NUM_THREADS`` and
+      ``torch.set_num_threads`` set, within the process's CPU affinity) shared out among the
+      CPU workers, at least 1 each (``parallel/threads.py``).
 
     ``validated`` is true for what ``validate`` returned (and its pickled copies); an object
     made or ``replace``d since is not, and a trainer given one validates it first.
@@ -176,6 +180,7 @@ class ParallelOptions:
     parallelism: ParallelPlan = ParallelPlan()
     devices: tuple[str, ...] | None = None
     timeout: float = 300.0
+    threads_per_worker: int | None = None
     # Not an option: set by validate alone. replace() makes a copy with it False.
     validated: bool = field(default=False, init=False, repr=False, compare=False)
 
@@ -198,7 +203,7 @@ class ParallelOptions:
                 if getattr(self, name) != unset:
                     raise ConfigError(key(name), f"applies to the data plan with averaging only: "
                                                  f"parallelism {plan} keeps every replica identical")
-        for name in ("workers", "averaging_frequency"):
+        for name in ("workers", "averaging_frequency", "threads_per_worker"):
             value = getattr(self, name)
             if value is not None and not _is_int(value, minimum=1):
                 raise ConfigError(key(name), f"must be a positive integer, got {value!r}")

@@ -223,6 +223,7 @@ class TrainingConfig(ConfigBase):
     prefetch_buffer: int = 16  # batches each worker keeps ready
     report_score_after_averaging: bool = False
     timeout: float = 300.0  # seconds a rank may wait for another (a collective, a batch) before it is an error
+    threads_per_worker: Optional[int] = None  # intra-op threads of each CPU worker (null: the budget shared out)
     early_stopping: Optional[EarlyStoppingSection] = None
     # An earlier release's spelling of parallelism, still read (noted as deprecated); null: not given.
     training_mode: Optional[Literal["averaging", "shared_gradients", "sharded", "tensor", "hybrid"]] = None
@@ -239,7 +240,7 @@ class TrainingConfig(ConfigBase):
         if self.workers == 1:  # options of the parallel trainer must not be silently ignored
             for name, inert in (("training_mode", None), ("averaging_frequency", None),
                                 ("report_score_after_averaging", False), ("parallelism", None),
-                                ("tensor_parallel_size", None), ("timeout", 300.0)):
+                                ("tensor_parallel_size", None), ("timeout", 300.0), ("threads_per_worker", None)):
                 if getattr(self, name) != inert:
                     raise ConfigError(join(where, name), "applies to parallel training only: set training.workers > 1")
         self.parallel_options(where)  # the ParallelWrapper's own checks, under this section's keys
@@ -267,7 +268,8 @@ class TrainingConfig(ConfigBase):
         return ParallelOptions(workers=self.workers, prefetch_buffer=self.prefetch_buffer,
                                averaging_frequency=self.averaging_frequency,
                                report_score_after_averaging=self.report_score_after_averaging,
-                               parallelism=self.plan(where), timeout=self.timeout).validate(where)
+                               parallelism=self.plan(where), timeout=self.timeout,
+                               threads_per_worker=self.threads_per_worker).validate(where)
 
 
 @dataclass(frozen=True)
@@ -288,7 +290,7 @@ class EnvironmentConfig(ConfigBase):
     cudnn_benchmark: Optional[bool] = None  # default false
     deterministic: Optional[bool] = None  # default false
     debug: Optional[bool] = None  # default false
-    compile: Optional[Literal["off", "default", "max-autotune"]] = None  # default off
+    compile: Optional[Literal["auto", "off", "default", "max-autotune"]] = None  # default auto
     cuda_graphs: Optional[bool] = None  # default false
     device_data: Optional[Literal["auto", "on", "off"]] = None  # default auto
     fused_optimizer: Optional[Literal["auto", "on", "off"]] = None  # default auto

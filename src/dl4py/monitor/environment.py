@@ -34,3 +34,10 @@ def environment_record(model) -> dict:
     if device.type == "cuda":
         record["device_name"] = torch.cuda.get_device_name(device)
     return record
+
+
+def with_worker_threads(record: dict, workers: int, threads: dict[int, int]) -> dict:
+    """``record`` with what a parallel fit's workers trained with: ``workers``, and
+    ``worker_threads``, the intra-op threads each worker reported by rank (under torchrun,
+    only this rank's is known here). ``cpu_threads`` stays this process's own."""
+    return {**record, "workers": workers, "worker_threads": {str(rank): threads[rank] for rank in sorted(threads)}}

@@ -27,6 +27,7 @@ from dl4py.data.normalizers import Normalizer
 from dl4py.errors import BackendError, ConfigError, DataError
 from dl4py.eval.roc import ROC
 from dl4py.eval.select import new_evaluation, new_roc
+from dl4py.nn.cpu_precision import slow_dtype, slow_precision_message
 from dl4py.nn.memory_format import to_channels_last, use_channels_last
 from dl4py.nn.predict import InferenceState, predictions, probabilities
 from dl4py.nn.serialization import KERNEL_KEYS, save_model
@@ -57,6 +58,8 @@ class Model:
     # defaults too.
     _inference_state = None
     _left_in_eval = False
+    # compile: auto's choice for the last fit (train/compile_choice.py); None before one.
+    compile_choice = None
 
     def __init__(self, backend: str | Backend | None = None, precision: str | Precision | None = None):
         self._requested_backend = backend
@@ -81,7 +84,7 @@ class Model:
         # are rebuilt there on the worker's device (weights follow in a saved model file).
         state = dict(self.__dict__)
         for name in ("module", "optimizer", "precision_state", "_train_step", "_gradient_hook", "backend",
-                     "precision", "device_data", "parallel_layout", "_inference_state"):
+                     "precision", "device_data", "parallel_layout", "_inference_state", "compile_choice"):
             state[name] = None
         return state
 
@@ -202,13 +205,8 @@ class Model:
                     f"precision '{precision}' needs float16 arithmetic, which {name} (compute "
                     f"capability {major}.{minor}) lacks; use 'float'"
                 )
-        elif precision.uses_fp16:
-            _warn_once(
-                "cpu-fp16",
-                f"precision '{precision}' on the CPU: PyTorch has no fast float16 kernels for CPUs, "
-                "so this runs many times slower than float; 'bfloat16' or 'mixed-bf16' is the fast "
-                "16-bit choice on a CPU",
-            )
+        elif (slow := slow_dtype(precision, device)) is not None:
+            _warn_once(f"cpu-{slow}", slow_precision_message(precision, slow))
 
     # ---- where training stands (read-only: trainers move ``training_state``) ----------------
     @property
@@ -336,6 +334,10 @@ class Model:
             self.accumulate_batches = batches
             self._train_step = None  # rebuilt for the new setting
         return self
+
+    def discard_train_step(self) -> None:
+        """Make the step again at the next ``train_step`` (``compile: auto`` chose to compile)."""
+        self._train_step = None
 
     def share_gradients(self, hook) -> None:
         """Run ``hook(took_part)`` between backward and update in every step from now on (a

@@ -5,7 +5,6 @@ to them by pickle, and the process group's transport."""
 from __future__ import annotations
 
 import io
-import os
 import pickle
 
 import torch
@@ -13,6 +12,7 @@ import torch
 from dl4py.data import ArrayDataSetIterator
 from dl4py.errors import ConfigError
 from dl4py.parallel.sources import ShardedSource, StreamShardSource, batches_per_epoch, is_shardable
+from dl4py.parallel.threads import usable_cores
 
 # More CPU workers than this many per core only thrash: each needs its own process, model
 # replica and memory, and they take turns on the cores.
@@ -65,10 +65,10 @@ def check_world(world: int, devices: list[str], iterator) -> None:
                                          f"{pieces} workers, or split the data into more files")
     check_batches_for_world(world, iterator)
     cpu_workers = sum(1 for rank in range(world) if devices[rank % len(devices)] == "cpu")
-    cores = os.cpu_count() or 1
+    cores = usable_cores()  # the cores this process may run on (taskset, a container), not the machine's
     if cpu_workers > CPU_WORKERS_PER_CORE * cores:
-        raise ConfigError("workers", f"is {world}, which puts {cpu_workers} workers on the CPU of a machine with "
-                                     f"{cores} cores; use at most {CPU_WORKERS_PER_CORE * cores} "
+        raise ConfigError("workers", f"is {world}, which puts {cpu_workers} workers on the {cores} CPU cores this "
+                                     f"process may use; use at most {CPU_WORKERS_PER_CORE * cores} "
                                      f"({CPU_WORKERS_PER_CORE} per core)")
 
 

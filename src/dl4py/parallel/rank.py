@@ -46,6 +46,7 @@ class RankReport:
     signalled: tuple[str, list[int]] | None = None  # with interrupted: the signal and the ranks that got it
     records: list = field(default_factory=list)  # with record_examples: feature 0 of every example trained
     state: bytes | None = None  # the trained replica as a model file, when the launcher asked for it
+    threads: int = 0  # the intra-op threads this rank trained with (torch.get_num_threads() there)
 
     def stop_cause(self, noun: str = "rank") -> str | None:
         """``SIGTERM at rank 1``: who got the signal that stopped the fit; None when no rank
@@ -76,7 +77,7 @@ def run_rank(rank: int, world: int, spec: WorkerSpec, source, *, should_stop=Non
         listeners = [TwinListener(listener, layout) for listener in listeners]
     listeners = Listeners(listeners)
     listeners.on_fit_start(replica)
-    report = RankReport()
+    report = RankReport(threads=torch.get_num_threads())  # as _replica_for set them
     meeting = RoundMeeting(rank, world, spec, source, device, report, should_stop)
     for condition in spec.iteration_conditions:
         condition.initialize()  # MaxTime counts from here, in this process
@@ -117,7 +118,7 @@ def _replica_for(rank: int, spec: WorkerSpec, device):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     elif spec.threads:
-        torch.set_num_threads(spec.threads)  # workers sharing the cores must not oversubscribe them
+        torch.set_num_threads(spec.threads)  # the user's budget shared out (threads.py), or threads_per_worker
     if spec.environment is not None:  # installed as this process's environment
         Environment.from_dict(spec.environment).apply(device)
     if spec.options.parallelism.mode in DISTRIBUTED_MODES:

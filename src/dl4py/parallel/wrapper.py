@@ -67,6 +67,7 @@ from dl4py.parallel.preflight import (
 )
 from dl4py.parallel.rank import RankReport
 from dl4py.parallel.sources import GroupCopies, batches_per_epoch, is_shardable
+from dl4py.parallel.threads import worker_threads
 from dl4py.parallel.worker import WorkerSpec
 from dl4py.train.history import History
 from dl4py.train.interrupt import DeferredInterrupt
@@ -126,6 +127,7 @@ class ParallelWrapper:
     parallelism = _Option()
     devices = _Option(lambda options: None if options.devices is None else list(options.devices))
     timeout = _Option()
+    threads_per_worker = _Option()
     training_mode = _EarlierPlanOption(lambda options: options.parallelism.mode)  # deprecated: parallelism
     tensor_parallel_size = _EarlierPlanOption(lambda options: options.parallelism.tensor_size)  # deprecated
 
@@ -141,6 +143,7 @@ class ParallelWrapper:
         devices: list | None = None,
         timeout: float = 300.0,
         *,
+        threads_per_worker: int | None = None,
         training_mode: str | None = None,  # deprecated: parallelism
         tensor_parallel_size: int | None = None,  # deprecated: parallelism
         options: ParallelOptions | None = None,
@@ -153,12 +156,13 @@ class ParallelWrapper:
         keywords = dict(
             workers=workers, prefetch_buffer=prefetch_buffer, averaging_frequency=averaging_frequency,
             report_score_after_averaging=report_score_after_averaging, average_updaters=average_updaters,
-            parallelism=parallelism, devices=devices, timeout=timeout, training_mode=training_mode,
-            tensor_parallel_size=tensor_parallel_size,
+            parallelism=parallelism, devices=devices, timeout=timeout, threads_per_worker=threads_per_worker,
+            training_mode=training_mode, tensor_parallel_size=tensor_parallel_size,
         )
         self.options = given_options(options, keywords, "ParallelWrapper")
         self.last_records: dict[int, list[float]] = {}
         self.last_report: RankReport | None = None
+        self.last_threads: dict[int, int] = {}  # intra-op threads each worker trained with, by rank
         self._pool = WorkerPool()
         self._training_accuracy = False  # set by each fit from its metrics
 
@@ -235,6 +239,7 @@ class ParallelWrapper:
         else:
             reports = self._fit_spawned(iterator, epochs, list(listeners), record)
         self.last_records = {rank: report.records for rank, report in reports.items()}
+        self.last_threads = {rank: report.threads for rank, report in reports.items()}
         self.last_report = reports[min(reports)]  # worker 0's; under torchrun, this rank's
         return self.last_report.summaries
 
@@ -266,6 +271,10 @@ class ParallelWrapper:
 
         cpu_workers = sum(1 for rank in range(world) if devices[rank % len(devices)] == "cpu")
         check_mode_fits_model(self.options.parallelism.mode, self.model)
+        if not cpu_workers and self.options.threads_per_worker is not None:
+            raise ConfigError("threads_per_worker", f"applies to workers on the CPU; these all train on "
+                                                    f"{', '.join(sorted(set(devices)))}")
+        threads = worker_threads(cpu_workers, self.options.threads_per_worker, launched_by_torchrun())
         return WorkerSpec(
             model_file="",  # written by the launcher, as of the fit's start
             torch_model=self.model if isinstance(self.model, TorchModel) else None,
@@ -275,7 +284,7 @@ class ParallelWrapper:
             options=self.options,
             devices=devices,
             precision=self.model.precision,  # the policy itself, settings and all
-            threads=cpu_threads_per_worker(cpu_workers, launched_by_torchrun()) if cpu_workers else None,
+            threads=threads if cpu_workers else None,
             environment=environment().to_dict(),  # every worker applies the same settings
             record_examples=record,
             early_stopping=self._controller is not None,
@@ -363,13 +372,3 @@ class ParallelWrapper:
             raise self._interrupted(report.stop_cause("rank") or "a stop request", "rank")
         return {int(os.environ["RANK"]): report}
 
-
-def cpu_threads_per_worker(cpu_workers: int, launched: bool) -> int:
-    """Threads for each CPU worker: the cores shared out, so that workers do not oversubscribe
-    them. A launched rank takes ``OMP_NUM_THREADS`` when its launcher set it: torchrun sets
-    it for several processes per node, and a Spark task sets it to its ``spark.task.cpus``
-    (one torchrun per task, so this node's worker count is unknown here)."""
-    given = os.environ.get("OMP_NUM_THREADS", "") if launched else ""
-    if given.isdigit() and int(given) > 0:
-        return int(given)
-    return max(1, (os.cpu_count() or 1) // cpu_workers)

@@ -18,6 +18,7 @@ import torch
 
 from dl4py.backend.cuda_environment import environment
 from dl4py.errors import ConfigError
+from dl4py.parallel.threads import usable_cores
 
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
@@ -52,13 +53,6 @@ class Slot:
             env[var] = str(self.threads)
         env["PYTHONUNBUFFERED"] = "1"  # the log shows the last line even after a kill
         return env
-
-
-def available_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))  # the cores this process may use (containers, taskset)
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def parse_devices(devices: str | Sequence[int] | None) -> list[int] | None:
@@ -99,7 +93,7 @@ def make_slots(devices: list[int] | None, per_device: int, cpus: int | None = No
     if isinstance(per_device, bool) or not isinstance(per_device, int) or per_device < 1:
         raise ConfigError("--per-device", f"must be a positive number of experiments per device, got {per_device!r}")
     gpus = devices or [None]
-    threads = max(1, (cpus or available_cpus()) // (per_device * len(gpus)))
+    threads = max(1, (cpus or usable_cores()) // (per_device * len(gpus)))
     # Indices are the sweep's view; the experiment needs the entry CUDA itself reads.
     visible = (environ if environ is not None else os.environ).get("CUDA_VISIBLE_DEVICES")
     entries = [e.strip() for e in visible.split(",")] if visible else None

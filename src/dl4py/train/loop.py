@@ -16,6 +16,7 @@ from dl4py.data.iterators import ArrayDataSetIterator, WrappedIterator
 from dl4py.data.prefetch import PrefetchIterator
 from dl4py.errors import ConfigError, DL4PyError
 from dl4py.train import accumulate
+from dl4py.train.compile_choice import choose_for_fit
 from dl4py.train.epoch import EpochSummary, check_finite, epoch_rng, run_epoch
 from dl4py.train.history import History
 from dl4py.train.interrupt import DeferredInterrupt
@@ -48,6 +49,7 @@ def fit(model, iterator, epochs: int, listeners: list, validation=None, metrics=
                                                    model.precision_state.scales_loss))
     model.module.train()
     model.clear_stop_request()
+    choose_for_fit(model, iterator, epochs)  # compile: auto, before the step is made and listeners look
     iterator = data_source(model, iterator)
     history = History()
     interrupted = False

@@ -11,6 +11,7 @@ the update runs once per window of that many batches (``train/accumulate.py``).
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Callable
 
@@ -18,8 +19,11 @@ import torch
 
 from dl4py.backend.cuda_environment import environment
 from dl4py.errors import BackendError
+from dl4py.nn.cpu_precision import slow_dtype
 from dl4py.train.accumulate import AccumulatingStep
 from dl4py.train.gradient_normalization import gradient_normalizer
+
+log = logging.getLogger("dl4py")
 
 # (compile, cuda_graphs) -> torch.compile mode. CUDA graphs come from Inductor's
 # cudagraph trees, which its "reduce-overhead" and "max-autotune" modes switch on.
@@ -32,16 +36,19 @@ _COMPILE_MODES = {
 }
 
 
+_said_eager: set = set()  # (mode, precision) pairs already told they run eager
+
 # model -> (settings, its torch.compile'd module): compiled once per model and settings.
 _compiled: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def forward_function(model):
     """The module, or its torch.compile'd form when the environment asks for kernel fusion
-    (``compile``) or CUDA graphs (``cuda_graphs``)."""
+    (``compile``; under ``auto``, where the fit chose it: ``compile_choice.py``) or CUDA graphs
+    (``cuda_graphs``)."""
     env = environment()
-    key = (env.compile, bool(env.cuda_graphs))
-    if key == ("off", False):
+    key = (_compile_mode(env.compile, model), bool(env.cuda_graphs))
+    if key == ("off", False) or _eager_for_precision(key[0], model):
         return model.module
     if key[1] and model.backend.device.type != "cuda":
         raise BackendError(
@@ -52,6 +59,29 @@ def forward_function(model):
     if kept is None or kept[0] != key or kept[2] is not model.module:
         kept = _compiled[model] = (key, torch.compile(model.module, mode=_COMPILE_MODES[key]), model.module)
     return kept[1]
+
+
+def _eager_for_precision(mode: str, model) -> bool:
+    """Whether a compile asked for runs eager instead: a 16-bit policy on a CPU without native
+    kernels for it. Compiled, its convolutions lose dl4py's float32 path (nn/convolution.py
+    keeps PyTorch's own kernel in a traced graph), the generic 16-bit one that is 5-15x slower:
+    mixed-bf16 compiled was measured at 0.16x float there. Said once per process."""
+    slow = None if mode == "off" else slow_dtype(model.precision, model.backend.device)
+    if slow is not None and (mode, str(model.precision)) not in _said_eager:
+        _said_eager.add((mode, str(model.precision)))
+        log.warning("dl4py: compile: %s runs eager for precision '%s': this CPU has no native %s kernels, "
+                    "and compiled it ran slower still; use precision 'float' to compile", mode,
+                    model.precision, str(slow).removeprefix("torch."))
+    return slow is not None
+
+
+def _compile_mode(setting: str, model) -> str:
+    """``auto`` resolved by the model's last fit (eager where none chose: a parallel rank,
+    a step made outside fit); the other settings as they are."""
+    if setting != "auto":
+        return setting
+    choice = model.compile_choice
+    return "default" if choice is not None and choice.on and choice.setting == "auto" else "off"
 
 
 def make_train_step(model, gradient_hook=None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
