@@ -6,10 +6,10 @@ cannot give the model's answers is refused in one line naming it."""
 from __future__ import annotations
 
 import sys
-import threading
 
 import pytest
 import torch
+from test_parallel_inference import _ask_from_threads
 from torch import nn
 
 from dl4py import ConfigError, MnistDataSetIterator, MultiLayerNetwork, ParallelInference, TorchModel
@@ -39,33 +39,13 @@ def assert_model_answers(answers, expected):
     assert apart <= TOLERANCE, apart
 
 
-def ask_from_threads(inference, x):
-    answers, errors = [None] * len(x), []
-
-    def client(first):
-        try:
-            for i in range(first, len(x), THREADS):
-                answers[i] = inference.output(x[i:i + 1])
-        except BaseException as error:  # noqa: BLE001 - reported by the test
-            errors.append(error)
-
-    threads = [threading.Thread(target=client, args=(t,)) for t in range(THREADS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    assert not any(t.is_alive() for t in threads), "a client still waits"
-    assert not errors, errors
-    return torch.cat(answers)
-
-
 @pytest.mark.parametrize("runtime, mode", [("onnx", "batched"), ("onnx", "inplace"), ("torchscript", "batched"),
                                            ("auto", "sequential")])
 def test_each_runtime_answers_model_outputs_answers_from_many_threads(trained, runtime, mode):
     model, x, expected = trained
     with ParallelInference(model, workers=2, inference_mode=mode, runtime=runtime) as inference:
         assert inference.runtime == ("onnx" if runtime == "auto" else runtime), inference.runtime_reason
-        answers = ask_from_threads(inference, x)
+        answers = torch.cat(_ask_from_threads(inference, x, threads=THREADS))
         merged = inference.output(x[:100])  # several examples in one request
         stats = inference.stats()
     assert_model_answers(answers, expected)

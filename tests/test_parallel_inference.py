@@ -201,6 +201,11 @@ def test_a_short_lone_request_runs_in_its_callers_thread_and_a_long_one_is_queue
     assert_answers(torch.cat(answers), expected[:3], "cpu")
     assert_answers(long_answer[-len(x):], expected, "cpu")
     assert stats["requests"] == 4 and stats["examples"] == 3 + len(many) and stats["failed"] == 0
+    with ParallelInference(model, workers=1, runtime="torch", inline_seconds=0) as inference:
+        recorder = inference.replicas[0].module = ThreadRecorder(inference.replicas[0].module)
+        for i in range(3):
+            inference.output(x[i:i + 1])
+    assert [name for name, _ in recorder.passes] == ["dl4py-inference-0"] * 3  # 0: never in the caller's
 
 
 @on_devices
@@ -304,6 +309,7 @@ def test_bad_options_name_themselves(trained_on):
     model = trained_on("cpu")[0]
     for options, key in ((dict(inference_mode="fast"), "inference_mode"), (dict(workers=0), "workers"),
                          (dict(batch_limit=0), "batch_limit"), (dict(queue_timeout=-1), "queue_timeout"),
+                         (dict(inline_seconds=-1), "inline_seconds"), (dict(inline_seconds=True), "inline_seconds"),
                          (dict(workers=1, devices=["cpu", "cpu"]), "workers")):
         with pytest.raises(ConfigError, match=key):
             ParallelInference(model, **options)

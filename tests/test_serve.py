@@ -340,7 +340,9 @@ async def _load_until_stopped(server, rows, clients, stop_after, gate):
 def test_a_shutdown_under_load_answers_every_request_it_received(trained_on, device):
     model, x, expected, rows = trained_on(device)
     clients, stop_after = 24, 200
-    server = PredictionServer(model, port=0, max_body_bytes=LIMIT, runtime="torch").start()  # a gate on its module
+    # A gate on the torch module, met in the replica's thread (inline_seconds=0): met in the event
+    # loop, it would hold up the requests the test waits for.
+    server = PredictionServer(model, port=0, max_body_bytes=LIMIT, runtime="torch", inline_seconds=0).start()
     replica = server.service.inference.replicas[0]
     gate = Gate()
     replica.module = GatedModule(replica.module, gate)

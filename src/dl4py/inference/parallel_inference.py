@@ -62,17 +62,20 @@ class ParallelInference:
     ``queue_timeout``: seconds a caller waits for room in a full queue (for a free replica
     in the inplace mode) before an InferenceError; None waits until there is room, 0 never.
     ``runtime``: ``auto``, ``torch``, ``onnx`` or ``torchscript``; ``self.runtime`` says which
-    answers and ``self.runtime_reason`` why.
+    answers and ``self.runtime_reason`` why. ``inline_seconds``: a request expected to take less
+    runs in its caller's thread when nothing waits (0: every request goes to a replica's thread).
     """
 
     def __init__(self, model, workers: int = 1, devices=None, inference_mode: str = "batched",
                  batch_limit: int = 32, queue_limit: int = 64, queue_timeout: float | None = None,
-                 runtime: str = "auto"):
+                 runtime: str = "auto", inline_seconds: float = INLINE_SECONDS):
         if inference_mode not in MODES:
             raise ConfigError("inference_mode", f"must be one of {', '.join(MODES)}; got {inference_mode!r}")
         for name, value in (("batch_limit", batch_limit), ("queue_limit", queue_limit)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(name, f"must be a whole number >= 1, got {value!r}")
+        if isinstance(inline_seconds, bool) or not isinstance(inline_seconds, (int, float)) or inline_seconds < 0:
+            raise ConfigError("inline_seconds", f"must be seconds >= 0, got {inline_seconds!r}")
         if queue_timeout is not None and (isinstance(queue_timeout, bool) or not isinstance(queue_timeout, (int, float))
                                           or queue_timeout < 0):
             raise ConfigError("queue_timeout", f"must be seconds >= 0 or None, got {queue_timeout!r}")
@@ -83,7 +86,7 @@ class ParallelInference:
         self.queue_limit, self.queue_timeout = queue_limit, queue_timeout
         self.replicas, choice = make_runtime_replicas(model, workers, devices, runtime)
         self.runtime, self.runtime_reason = choice.name, choice.reason
-        self._stats = _Stats()
+        self._stats = _Stats(inline_seconds)
         self._closed = False
         if inference_mode == "inplace":
             self._pool, self._queue, self._threads = ReplicaPool(self.replicas), None, []
@@ -255,8 +258,9 @@ def _as_model_returns(signature, predictions: torch.Tensor):
 class _Stats:
     """Forward passes and their sizes, counted under a lock (replica threads add to them)."""
 
-    def __init__(self):
+    def __init__(self, inline_seconds: float):
         self._lock = threading.Lock()
+        self._inline_seconds = inline_seconds
         self._sizes: Counter[int] = Counter()
         self._requests = 0
         self._failed = 0
@@ -271,10 +275,10 @@ class _Stats:
                 self._recent_seconds_per_example.append(seconds / examples)
 
     def short(self, examples: int) -> bool:
-        """Whether a forward pass of ``examples`` should take under INLINE_SECONDS (False until one
+        """Whether a forward pass of ``examples`` should take under ``inline_seconds`` (False until one
         was measured). Without the lock: a pass appended meanwhile only moves the choice by one."""
         recent = tuple(self._recent_seconds_per_example)
-        return bool(recent) and min(recent) * examples < INLINE_SECONDS
+        return bool(recent) and min(recent) * examples < self._inline_seconds
 
     def failed_one(self) -> None:
         with self._lock:

@@ -174,18 +174,28 @@ async def _read_body(request, limit: int, pause: float) -> bytes:
 
 
 async def _read_body_with_one_timer(request, limit: int, pause: float) -> bytes:
-    """``_read_body``'s loop with one timer per request, moved on as each chunk arrives
-    (``asyncio.timeout``, Python 3.11 and later), where ``asyncio.wait_for`` made a task per chunk."""
+    """``_read_body``'s loop with one timer per request, moved on only when more of the body is
+    to come (``asyncio.timeout``, Python 3.11 and later), where ``asyncio.wait_for`` made a task
+    per chunk. The ASGI messages are read as they come (``request.receive``): a body that
+    arrived whole takes one message and no timer move."""
+    from starlette.requests import ClientDisconnect  # optional: starlette (extra serve)
+
     chunks, size = [], 0
     loop = asyncio.get_running_loop()
     try:
         async with asyncio.timeout(pause) as deadline:
-            async for chunk in request.stream():
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientDisconnect()
+                chunk = message.get("body", b"")
                 size += len(chunk)
                 if size > limit:
                     raise RequestError(413, f"the body is over {limit} bytes, the most this server takes "
                                             "(max_body_bytes): send fewer examples per request")
                 chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
                 deadline.reschedule(loop.time() + pause)
     except TimeoutError:
         raise RequestError(408, f"the body stopped arriving: no bytes for {pause:g} s (body_timeout), after "

@@ -21,6 +21,7 @@ import torch
 from dl4py.errors import ConfigError, DataError
 from dl4py.export.wrapper import example_shape
 from dl4py.inference import ParallelInference
+from dl4py.inference.parallel_inference import INLINE_SECONDS
 from dl4py.nn import load
 from dl4py.run_dir import MODEL
 from dl4py.serve.body import read_features
@@ -46,7 +47,7 @@ class Service:
     def __init__(self, model, *, model_file=None, workers: int = 1, devices=None, inference_mode: str = "batched",
                  batch_limit: int = 32, queue_limit: int = 64, queue_timeout: float = DEFAULT_QUEUE_TIMEOUT,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout: float = DEFAULT_BODY_TIMEOUT,
-                 input_shape=None, labels=None, runtime: str = "auto"):
+                 input_shape=None, labels=None, runtime: str = "auto", inline_seconds: float = INLINE_SECONDS):
         for name, value in (("max_body_bytes", max_body_bytes), ("queue_limit", queue_limit)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(name, f"must be a whole number >= 1, got {value!r}")
@@ -79,7 +80,7 @@ class Service:
         # ParallelInference's own queue of that size never makes a pool thread wait for room.
         self.inference = ParallelInference(model, workers=workers, devices=devices, inference_mode=inference_mode,
                                            batch_limit=batch_limit, queue_limit=queue_limit, queue_timeout=None,
-                                           runtime=runtime)
+                                           runtime=runtime, inline_seconds=inline_seconds)
         self.metadata["inference"]["runtime"] = self.inference.runtime
         self.pool = ThreadPoolExecutor(queue_limit, thread_name_prefix="dl4py-serve")
         self.draining = False
