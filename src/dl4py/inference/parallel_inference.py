@@ -276,9 +276,10 @@ class _Stats:
 
     def short(self, examples: int) -> bool:
         """Whether a forward pass of ``examples`` should take under ``inline_seconds`` (False until one
-        was measured). Without the lock: a pass appended meanwhile only moves the choice by one."""
-        recent = tuple(self._recent_seconds_per_example)
-        return bool(recent) and min(recent) * examples < self._inline_seconds
+        was measured)."""
+        with self._lock:  # replica threads append to the passes meanwhile
+            least = min(self._recent_seconds_per_example, default=None)
+        return least is not None and least * examples < self._inline_seconds
 
     def failed_one(self) -> None:
         with self._lock:
