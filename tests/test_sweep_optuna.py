@@ -218,7 +218,7 @@ def test_resume_continues_the_study_with_a_larger_budget(tpe_sweep, tmp_path):
 def test_the_median_pruner_stops_an_experiment_that_falls_behind(tmp_path):
     """Trial 0 (learning rate 0.5) completes; trial 1 (1e-9) scores worse after its first epoch,
     is stopped with SIGINT, keeps its checkpoint and is PRUNED in the study."""
-    epochs = 20  # far more than the pruned run gets through before the signal lands
+    epochs = 200  # far more than the pruned run gets through before the signal lands (20 raced it)
     out = tmp_path / "sweep"
     result = run(write_config(tmp_path, epochs), ranges={LEARNING_RATE: (1e-9, 1.0, "log")}, sampler="tpe",
                  trials=2, prune=optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=0),
