@@ -125,8 +125,9 @@ def parallel_inference(check: Check, work: Workload, rows: list[dict]) -> None:
     loop_seconds, loop_latencies, _ = plain_loop(model, loop_x, check.device)()
     rows.append(load_row("model.output loop", len(loop_x), loop_seconds, loop_latencies, len(loop_latencies), None))
     check.figure("paths", rows)
-    seconds, latencies, mean_batch = served(model, x, "batched", CLIENTS, workers, BATCH_LIMIT)()
-    rows.append(load_row("ParallelInference batched", len(x), seconds, latencies, len(latencies), mean_batch))
+    seconds, latencies, mean_batch = served(model, x, "batched", CLIENTS, workers, BATCH_LIMIT, "auto")()
+    rows.append(load_row("ParallelInference batched, runtime auto", len(x), seconds, latencies, len(latencies),
+                         mean_batch))
     check.figure("paths", rows)
     # A client thread of the load generator dies on an error, leaving its requests unanswered.
     check.expect(len(latencies) == len(x),
@@ -136,6 +137,7 @@ def parallel_inference(check: Check, work: Workload, rows: list[dict]) -> None:
         with ThreadPoolExecutor(CLIENTS) as pool:
             answers = list(pool.map(lambda i: inference.output(x[i:i + 1]), range(len(x))))
         stats = inference.stats()
+    check.figure("ParallelInference runtime", f"{inference.runtime} ({inference.runtime_reason})")
     check.figure("ParallelInference stats (answers pass)", {k: v for k, v in stats.items() if k != "batch_sizes"})
     check.expect(stats["requests"] == len(x) and stats["failed"] == 0,
                  f"ParallelInference: {stats['requests']} requests counted of {len(x)}, {stats['failed']} failed")
