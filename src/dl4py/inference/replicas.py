@@ -82,9 +82,8 @@ def replica_devices(model, workers, devices) -> list[torch.device]:
     return [chosen[i % len(chosen)] for i in range(workers)]
 
 
-def make_replicas(model, workers: int, devices) -> list[Replica]:
-    """``workers`` replicas of ``model`` (initialised first), spread over ``devices``."""
-    placed = replica_devices(model, workers, devices)
+def make_replicas(model, placed: list[torch.device]) -> list[Replica]:
+    """A replica of ``model`` (initialised first) on each device of ``placed`` (``replica_devices``)."""
     model.init()
     model.set_mask(None)  # the copies take the mask holder along: it must hold no batch's mask
     source = model.module

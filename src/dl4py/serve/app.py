@@ -16,7 +16,6 @@ import json
 import itertools
 import logging
 import os
-import sys
 
 from dl4py.errors import DataError, InferenceError, MissingDependencyError
 from dl4py.nn.model import Model
@@ -75,6 +74,8 @@ def make_app(model, **options):
     app.state.slots = asyncio.Semaphore(service.queue_limit)
     return app
 
+
+_deadline = getattr(asyncio, "timeout", None)  # Python 3.11 and later
 
 # Request ids: this process's random prefix and a counter, unique within the server's log
 # (a uuid4 per request read os.urandom each time, 2% of a small request's CPU).
@@ -153,39 +154,18 @@ async def _read_body(request, limit: int, pause: float) -> bytes:
         if int(declared) > limit:
             raise RequestError(413, f"the body is {int(declared)} bytes; this server takes at most {limit} "
                                     "(max_body_bytes): send fewer examples per request")
-    if sys.version_info >= (3, 11):
-        return await _read_body_with_one_timer(request, limit, pause)
-    chunks, size = [], 0
-    stream = request.stream()
-    while True:
-        try:
-            chunk = await asyncio.wait_for(stream.__anext__(), pause)
-        except StopAsyncIteration:
-            break
-        except asyncio.TimeoutError:
-            raise RequestError(408, f"the body stopped arriving: no bytes for {pause:g} s (body_timeout), after "
-                                    f"{size} bytes") from None
-        size += len(chunk)
-        if size > limit:
-            raise RequestError(413, f"the body is over {limit} bytes, the most this server takes "
-                                    "(max_body_bytes): send fewer examples per request")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def _read_body_with_one_timer(request, limit: int, pause: float) -> bytes:
-    """``_read_body``'s loop with one timer per request, moved on only when more of the body is
-    to come (``asyncio.timeout``, Python 3.11 and later), where ``asyncio.wait_for`` made a task
-    per chunk. The ASGI messages are read as they come (``request.receive``): a body that
-    arrived whole takes one message and no timer move."""
     from starlette.requests import ClientDisconnect  # optional: starlette (extra serve)
 
+    # The ASGI messages as they come (a body that arrived whole is one). Each wait is bounded by
+    # one timer a request, moved on only when more of the body is to come (asyncio.timeout,
+    # Python 3.11 and later); before 3.11, by asyncio.wait_for on each message (a task each).
     chunks, size = [], 0
     loop = asyncio.get_running_loop()
     try:
-        async with asyncio.timeout(pause) as deadline:
+        async with _deadline(pause) if _deadline else contextlib.nullcontext() as deadline:
             while True:
-                message = await request.receive()
+                receiving = request.receive()
+                message = await (receiving if deadline is not None else asyncio.wait_for(receiving, pause))
                 if message["type"] == "http.disconnect":
                     raise ClientDisconnect()
                 chunk = message.get("body", b"")
@@ -196,8 +176,9 @@ async def _read_body_with_one_timer(request, limit: int, pause: float) -> bytes:
                 chunks.append(chunk)
                 if not message.get("more_body", False):
                     break
-                deadline.reschedule(loop.time() + pause)
-    except TimeoutError:
+                if deadline is not None:
+                    deadline.reschedule(loop.time() + pause)
+    except asyncio.TimeoutError:  # TimeoutError itself from 3.11
         raise RequestError(408, f"the body stopped arriving: no bytes for {pause:g} s (body_timeout), after "
                                 f"{size} bytes") from None
     return b"".join(chunks)

@@ -93,10 +93,10 @@ class Service:
         return self.encode(self.inference.output(read_features(body, self.example_shape)))
 
     def submit(self, body: bytes) -> Future:
-        """For a small body, in the event loop: its features read and queued for the replicas,
-        the future of their outputs (``encode`` makes the answer). Parsing a few kilobytes costs
-        less than handing the body to a pool thread and the outputs back (two thread wake-ups
-        per request); the replicas still run in their own threads, merging what waits."""
+        """For a small body, in the event loop: its features read and given to ParallelInference,
+        the future of their outputs (``encode`` makes the answer): done already where the pass was
+        short and ran here, else the replicas' threads answer it, merging what waits. Parsing a
+        few kilobytes costs less than handing the body to a pool thread and the outputs back."""
         return self.inference.submit(read_features(body, self.example_shape))
 
     def reads_in_loop(self, body: bytes) -> bool:
