@@ -362,6 +362,33 @@ def test_auto_batch_size_stops_at_the_element_limit(monkeypatch):
     assert "2**31 elements" in why
 
 
+@pytest.mark.parametrize("device_data", ["auto", "on"])
+def test_auto_batch_size_leaves_a_training_set_too_big_for_the_device_on_the_host(monkeypatch, device_data):
+    """Found on an H200 under a 128 MiB cap: MNIST's 188 MB training set, counted as device-resident,
+    left no room for a batch of 1. device_data auto keeps such a set on the host (data/device.py), so
+    auto chooses the batch without it and says so; device_data on copies it whatever, so it counts."""
+    from dl4py.backend.cuda_environment import environment
+    from dl4py.memory import DeviceMemory
+    from dl4py.memory import auto as auto_module
+
+    monkeypatch.setattr(auto_module, "device_memory", lambda device: DeviceMemory(128 * MiB, "a capped GPU", "cuda", 0))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    config, gpu = RunConfig.from_file(LENET_YAML), torch.device("cuda")
+    with environment().temporarily(device_data=device_data):
+        if device_data == "on":
+            with pytest.raises(ConfigError, match="not even a batch of 1 fits"):
+                auto_module.auto_batch_size(config, gpu, train_examples=60_000, example_bytes=3136)
+            return
+        chosen, why = auto_module.auto_batch_size(config, gpu, train_examples=60_000, example_bytes=3136)
+    with environment().temporarily(device_data="off"):
+        off, _ = auto_module.auto_batch_size(config, gpu, train_examples=60_000, example_bytes=3136)
+    assert chosen == off > 0
+    assert "the training set (188,160,000 bytes) stays on the host" in why
+    # A set that fits beside the step is still counted, and nothing is said of it.
+    _, why = auto_module.auto_batch_size(config, gpu, train_examples=6_000, example_bytes=3136)
+    assert "stays on the host" not in why
+
+
 def _fake_gpu(monkeypatch, total: int, reserved: int, outside: int, allocated: int | None = None) -> int:
     """A CUDA device as device_memory reads it: ``outside`` bytes used beyond this process's
     allocator (its ``reserved`` bytes, of which ``allocated`` in use: all by default).

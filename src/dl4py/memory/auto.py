@@ -38,19 +38,29 @@ def auto_batch_size(config, device: torch.device, train_examples: int, example_b
     """(batch size, a sentence saying how it was chosen)."""
     memory = device_memory(device)
     budget, context = training_budget(memory, device, workers)
-    data_bytes = train_examples * example_bytes if device.type == "cuda" and _data_may_live_on_device() else 0
-    largest = max_batch_size(config, budget, config.training.precision, device=device.type, margin=margin,
-                             context=context, data_bytes=data_bytes)
-    if largest == 0:
-        raise ConfigError(
-            "training.batch_size",
-            f"is auto, but not even a batch of 1 fits: {memory.source}; see `dl4py memory` for the breakdown",
-        )
     # Memory is one bound; the updates an epoch makes are the other: the largest batch that
     # fits a roomy device (a CPU's RAM) can be the whole training set, one update an epoch.
     # (Parallel workers share the examples: each makes its updates on its part.)
     # Never below Keras' default batch, though: a handful of examples a step is its own trouble.
     most_for_updates = max(SMALLEST_AUTO_BATCH, train_examples // (MIN_UPDATES_PER_EPOCH * workers))
+
+    def largest_with(data_bytes: int) -> int:
+        return max_batch_size(config, budget, config.training.precision, device=device.type, margin=margin,
+                              context=context, data_bytes=data_bytes)
+
+    data_bytes = train_examples * example_bytes if device.type == "cuda" and _data_may_live_on_device() else 0
+    largest, data_note = largest_with(data_bytes), ""
+    if data_bytes and largest < min(most_for_updates, train_examples) and environment().device_data == "auto":
+        # device_data auto keeps a training set on the host when it does not fit beside the
+        # step (data/device.py); a batch squeezed by a copy that will not be made helps nobody.
+        host = largest_with(0)
+        if host > largest:
+            largest, data_note = host, f"; the training set ({data_bytes:,} bytes) stays on the host"
+    if largest == 0:
+        raise ConfigError(
+            "training.batch_size",
+            f"is auto, but not even a batch of 1 fits: {memory.source}; see `dl4py memory` for the breakdown",
+        )
     chosen = min(largest, most_for_updates, train_examples)
     share = f" / {workers} workers" if workers > 1 else ""
     capped = ("" if chosen == largest else " (the whole training set)" if chosen == train_examples
@@ -63,7 +73,7 @@ def auto_batch_size(config, device: torch.device, train_examples: int, example_b
     elements = estimate(config, 1, config.training.precision, device=device.type).max_batch_by_elements
     bound = ", as no tensor may reach 2**31 elements" if largest == elements else ""
     why = (f"batch_size auto: {chosen:,}{capped}; the largest that fits {device}{shared} with a "
-           f"{margin:.0%} margin is {largest:,}{bound} ({memory.source})")
+           f"{margin:.0%} margin is {largest:,}{bound}{data_note} ({memory.source})")
     log.info(why)
     return chosen, why
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dl4py.config.network import LayerShapes
 from dl4py.config.registry import LAYERS
 from dl4py.memory.layer_ops_conv import same_pool_ops, same_window_1d_ops
-from dl4py.memory.op import Op, activation_ops, param_sizes, weight_decay
+from dl4py.memory.op import Op, activation_ops, cuda_pooling_copy, param_sizes, weight_decay
 from dl4py.memory.sequence_ops import elements, steps
 
 # Rules (config/registry.py): (layer, index, LayerShapes, defaults, device) -> its Ops, per example.
@@ -45,7 +45,8 @@ def _subsampling1d(layer, index: int, shapes: LayerShapes, config, device: str) 
         return pool + [_contiguous(index, n_out)]
     if layer.pooling_type == "max":  # int64 indices of each maximum, kept for backward
         return [Op(index, "max_pool1d", n_out, True, False, extra_bytes=8.0 * n_out), _contiguous(index, n_out)]
-    return [Op(index, "avg_pool1d", n_out, True, False), _contiguous(index, n_out)]
+    return cuda_pooling_copy(index, elements(shapes.input, config), layer.padding, device) + [
+        Op(index, "avg_pool1d", n_out, True, False), _contiguous(index, n_out)]
 
 
 @LAYERS.memory_rule("upsampling2d")

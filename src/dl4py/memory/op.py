@@ -68,6 +68,19 @@ class Op:
         return n * self.extra_bytes + self.extra_fixed_bytes + aligned
 
 
+def cuda_pooling_copy(layer: int, in_elements: int, padding, device: str) -> list[Op]:
+    """The contiguous copy of a padded average pooling's input on CUDA (``nn/pooling.py``: the
+    CUDA kernel's channels-last backward is wrong with padding); kept for the pooling's backward
+    in place of the input. Counted for every padded average pooling on CUDA: a 1-D window's input
+    is a transposed sequence, copied always; a 2-D pooling's in a convolutional network is
+    channels-last by default there. A 2-D pooling of a network's contiguous input is copied by
+    no one, and so counted high, on the safe side."""
+    padded = any(padding) if isinstance(padding, (tuple, list)) else bool(padding)
+    if device != "cuda" or not padded:
+        return []
+    return [Op(layer, "contiguous", in_elements, False, False, input_gradient="same")]
+
+
 def activation_ops(layer: int, name: str, elements: int) -> list[Op]:
     """The operator of activation ``name`` in layer ``layer`` (none for the identity)."""
     if name == "identity":

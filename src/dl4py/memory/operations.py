@@ -25,7 +25,7 @@ from dl4py.config.network import LayerShapes, NetworkConfig
 from dl4py.config.registry import LAYERS
 from dl4py.memory.layer_ops_conv import same_pool_ops  # also registers layers_conv's rules
 from dl4py.memory.layer_ops_extra import convolution_ops  # also registers the extra layers' rules
-from dl4py.memory.op import Op, activation_ops, param_sizes, weight_decay
+from dl4py.memory.op import Op, activation_ops, cuda_pooling_copy, param_sizes, weight_decay
 from dl4py.memory.sequence_ops import elements
 
 __all__ = ["Op", "layer_ops", "network_ops"]
@@ -93,7 +93,8 @@ def _subsampling(layer, i: int, shapes: LayerShapes, config, device: str) -> lis
         return same_pool_ops(i, layer.pooling_type, (h, w), c, layer.kernel_size, layer.stride, n_out, "2d")
     if layer.pooling_type == "max":  # int64 indices of each maximum, kept for backward
         return [Op(i, "max_pool2d", n_out, True, False, extra_bytes=8.0 * n_out)]
-    return [Op(i, "avg_pool2d", n_out, True, False)]
+    return cuda_pooling_copy(i, elements(shapes.input, config), layer.padding, device) + [
+        Op(i, "avg_pool2d", n_out, True, False)]
 
 
 @LAYERS.memory_rule("batch_normalization")

@@ -23,6 +23,7 @@ from dl4py.config.registry import LAYERS
 from dl4py.nn.convolution import Conv2d
 from dl4py.nn.layer_init import ACTIVATIONS, init_weight_and_bias
 from dl4py.nn.layers_conv import SamePool2d
+from dl4py.nn.pooling import AvgPool2d
 from dl4py.nn.output_loss import OutputLoss  # noqa: F401  (nn/network.py and nn/graph.py take it from here)
 from dl4py.nn.recurrent import SequenceMask
 
@@ -164,7 +165,7 @@ def _subsampling(layer, shape: Shape, config, gen, masks, where: str):
         return SamePool2d(layer.pooling_type, layer.kernel_size, layer.stride), None
     if layer.pooling_type == "max":
         return nn.MaxPool2d(layer.kernel_size, layer.stride, layer.padding), None
-    return nn.AvgPool2d(layer.kernel_size, layer.stride, layer.padding), None
+    return AvgPool2d(layer.kernel_size, layer.stride, layer.padding), None
 
 
 @LAYERS.builder("batch_normalization")

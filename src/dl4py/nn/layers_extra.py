@@ -24,6 +24,7 @@ from dl4py.errors import DataError
 from dl4py.nn.convolution import Conv1d, ConvTranspose2d
 from dl4py.nn.layer_init import ACTIVATIONS, init_weight, init_weight_and_bias
 from dl4py.nn.layers_conv import SameConv1d, SamePool1d
+from dl4py.nn.pooling import AvgPool1d
 from dl4py.nn.recurrent import SequenceMask, _zero_padding
 
 
@@ -135,7 +136,7 @@ def _subsampling1d(layer, shape, config, gen, masks: SequenceMask, where: str):
     if layer.pooling_type == "max":
         pool = nn.MaxPool1d(layer.kernel_size, layer.stride, layer.padding)
         return _SequenceWindow(pool, *window, fill=float("-inf")), None
-    return _SequenceWindow(nn.AvgPool1d(layer.kernel_size, layer.stride, layer.padding), *window), None
+    return _SequenceWindow(AvgPool1d(layer.kernel_size, layer.stride, layer.padding), *window), None
 
 
 @LAYERS.builder("upsampling2d")
