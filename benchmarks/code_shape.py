@@ -75,7 +75,7 @@ FLOORS = {
     "nn": 5,
     "parallel": 6,
     "memory": 7,
-    "inference": 8, "export": 8, "monitor": 8, "dl4j": 8, "serve": 8, "spark": 8, "sweep": 8, "doctor": 8,
+    "inference": 8, "export": 8, "monitor": 8, "dl4j": 8, "serve": 8, "spark": 8, "sweep": 8, "doctor": 8, "plan": 8,
     "bench": 8, "run_dir": 8,
     "runner": 9, "resume": 9, "launchers": 9, "run_data": 9,
     "__init__": 10,

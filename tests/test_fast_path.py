@@ -335,8 +335,14 @@ def test_channels_last_rule():
     with settings(channels_last="on"):
         with pytest.raises(BackendError, match="channels_last=on, but this network has no 2-D convolutions"):
             MultiLayerNetwork(mlp(), backend="cpu").init()
-    with settings(channels_last="auto"):  # auto: on for CUDA only
-        assert MultiLayerNetwork(conv_net(), backend="cpu").init()._channels_last is False
+    with settings(channels_last="auto"):  # auto: CUDA, and a CPU's oneDNN convolutions in float32/float64
+        assert MultiLayerNetwork(mlp(), backend="cpu").init()._channels_last is False  # nothing to convert
+        on_cpu = MultiLayerNetwork(conv_net(), backend="cpu").init()
+        assert on_cpu._channels_last is torch.backends.mkldnn.is_available()
+        weights = [p for p in on_cpu.module.parameters() if p.dim() == 4]
+        assert all(w.is_contiguous(memory_format=torch.channels_last) for w in weights) is on_cpu._channels_last
+        # bfloat16 convolutions in NHWC are not measured here: auto leaves them as they are
+        assert MultiLayerNetwork(conv_net(), backend="cpu", precision="bfloat16").init()._channels_last is False
 
 
 # -- the settings ----------------------------------------------------------------------------

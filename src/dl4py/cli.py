@@ -135,6 +135,22 @@ def _parser() -> argparse.ArgumentParser:
     memory.add_argument("--workers", type=int, help="ranks a sharded step is split over (default: training.workers)")
     memory.add_argument("--json", action="store_true")
 
+    plan = sub.add_parser("plan", help="which parallelism, on how many devices: each plan's memory and time "
+                                       "per step; --profile alone measures this machine")
+    plan.add_argument("config", type=Path, nargs="?", help="run config (leave out with --profile to measure)")
+    plan.add_argument("--devices", type=int, default=1, help="devices to plan for (default 1)")
+    plan.add_argument("--device-memory", metavar="SIZE", help="each device's memory, e.g. 24GiB (default: the "
+                                                             "profile's)")
+    plan.add_argument("--batch-size", type=int, help="default: training.batch_size of the config")
+    plan.add_argument("--precision", help="default: training.precision of the config")
+    plan.add_argument("--profile", nargs="?", const="measure", metavar="FILE|GPU",
+                      help="speeds from FILE or a built-in GPU (h100, h200, a100, l4, rtx4090, t4); default: this "
+                           "machine's measured profile. Alone (no config): measure this machine and save it")
+    plan.add_argument("--device", help="cpu (default) or cuda[:N]: the device --profile measures")
+    plan.add_argument("--budget", type=float, default=60.0, help="seconds --profile may take (default 60)")
+    plan.add_argument("--output", help="where --profile saves (default: dl4py's cache folder)")
+    plan.add_argument("--json", action="store_true")
+
     sweep = sub.add_parser("sweep", help="run a grid (or random sample) of configs, several processes per device")
     sweep.add_argument("config", type=Path, nargs="?", help="run config (may be left out with --resume)")
     sweep.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...",
@@ -303,7 +319,7 @@ def _main(argv: list[str]) -> int:
     configure_console_logging(sys.stderr)
     debug = args.debug or os.environ.get("DL4PY_DEBUG", "") not in ("", "0")
     commands = {"train": _train, "evaluate": _evaluate, "summary": _summary, "schema": _schema, "completion": _completion, "info": _info, "doctor": _doctor,
-                "sweep": _sweep, "memory": _memory, "bench": _bench, "ui": _ui, "report": _report,
+                "sweep": _sweep, "memory": _memory, "plan": _plan, "bench": _bench, "ui": _ui, "report": _report,
                 "predict": _predict, "export": _export, "serve": _serve, "import-dl4j": _import_dl4j}
     # A problem with the user's input or machine is one line; a bug of dl4py's own keeps
     # its traceback. --debug (or DL4PY_DEBUG=1) shows the traceback of everything.
@@ -474,6 +490,12 @@ def _memory(args) -> int:
         if memory is None:
             print("\n(no device memory to compare with: give --device-memory, e.g. 80GB)")
     return 0
+
+
+def _plan(args) -> int:
+    from dl4py.plan.command import run
+
+    return run(args)
 
 
 def _memory_device(args):

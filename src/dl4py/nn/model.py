@@ -159,7 +159,10 @@ class Model:
         precision, device = self.precision, self.backend.device
         build_dtype = torch.float32 if precision.master_weights else precision.param_dtype
         module = self._build_module(device, build_dtype)
-        self._channels_last = use_channels_last(env.channels_last, module, device)
+        wanted = use_channels_last(env.channels_last, module, device,
+                                   sixteen_bit=precision.uses_fp16 or precision.uses_bf16)
+        # FSDP2 and DTensor take contiguous parameters only: a distributed plan trains NCHW.
+        self._channels_last = wanted and parallelize is None
         if self._channels_last:  # before the master copy is made, so both are NHWC
             module = module.to(memory_format=torch.channels_last)
         self.precision_state = precision.bind(module, device)
@@ -357,6 +360,17 @@ class Model:
             self.precision_state = precision_state
         if loss is not None:
             self.loss = loss
+        self._train_step = None
+
+    def use_contiguous_layout(self) -> None:
+        """Store the convolutions NCHW again (``channels_last`` undone), before a distributed
+        plan converts a built replica: FSDP2 and DTensor take contiguous parameters only. The
+        optimizer keeps its parameters (their storage changes in place); the plan makes it again."""
+        if not self._channels_last:
+            return
+        for module in {id(m): m for m in (self.module, self.stepped_module)}.values():
+            module.to(memory_format=torch.contiguous_format)
+        self._channels_last = False
         self._train_step = None
 
     def lay_out(self, layout) -> None:

@@ -58,6 +58,7 @@ def parallelize_replica(replica, parallelize, state: tuple | None = None) -> tup
     if replica.module is None:
         replica.init(parallelize=parallelize)
         return state
+    replica.use_contiguous_layout()
     if state is None:
         # The last step's gradients are stale, and torch's loader takes a gradient for "state made".
         replica.stepped_module.zero_grad(set_to_none=True)

@@ -1,0 +1,344 @@
+"""The cost model: each plan's time per step and memory per device, from a network's work
+(``plan.work``) and a device's measured speeds (``plan.profile``).
+
+A step's compute on one device is, layer by layer, its matrix products and convolutions at
+the device's rate for calls of their size, its element-wise bytes at the device's memory
+bandwidth, a dispatch for each kernel, and the update (the parameters, their gradients and the
+updater state read and written once). Where ranks share a device (CPU ranks on one machine),
+each has its share of it. Communication is each plan's collectives, timed by the device's
+fitted links (``Link.seconds``: latency plus bytes over bandwidth), with no overlap: dl4py's
+data-parallel modes exchange after the backward pass, and the sharded, tensor and hybrid plans
+wait on their gathers.
+
+The plans, for W ranks each given the config's batch B (DL4J's ParallelWrapper semantics: a
+round trains one batch per worker):
+
+- ``single``: one device.
+- ``data-averaging``: every rank a whole model and its own batch; the parameters (and the
+  updater state, ``average_updaters``) averaged every ``averaging_frequency`` rounds.
+- ``data-shared``: the same, the gradients averaged every step.
+- ``sharded``: FSDP2: each unit's parameters gathered for the forward and again for the
+  backward, its gradients reduce-scattered.
+- ``tensor``: every rank the same batch; consecutive hidden dense layers split in
+  column/row pairs, each pair one all-reduce of its output forward and one of its input's
+  gradient backward (Megatron's MLP).
+- ``hybrid``: the layers before the first dense layer data-parallel on each rank's batch, the
+  batch gathered there, the dense layers as in ``tensor`` on the gathered batch.
+- ``experiments``: one independent run per device (a sweep): no exchange at all, but W
+  separate trainings rather than one faster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from dl4py.config.graph import GraphConfig
+from dl4py.errors import ConfigError
+from dl4py.memory.estimate import estimate
+from dl4py.memory.sharded import sharding_layout
+from dl4py.memory.step_sizes import network_of
+from dl4py.plan.profile import DeviceProfile
+from dl4py.plan.work import LayerWork, StepWork, step_work
+
+PLAN_NAMES = ("single", "data-averaging", "data-shared", "sharded", "tensor", "hybrid", "experiments")
+# The profile's precision for a policy's arithmetic; "double" has no measured rate: float's, halved.
+COMPUTE_PRECISION = {"float": "float", "double": "float", "half": "half", "mixed-fp16": "half",
+                     "bfloat16": "bfloat16", "mixed-bf16": "bfloat16"}
+# Times the parameter bytes an update reads and writes: parameter, gradient and state(s).
+UPDATE_PASSES = {"sgd": 3, "nesterovs": 5, "adam": 7, "adamw": 7, "rmsprop": 5, "adagrad": 5, "adadelta": 7,
+                 "adamax": 7, "nadam": 7, "amsgrad": 9, "noop": 0}
+STATE_COPIES = {"sgd": 0, "nesterovs": 1, "adam": 2, "adamw": 2, "rmsprop": 1, "adagrad": 1, "adadelta": 2,
+                "adamax": 2, "nadam": 2, "amsgrad": 3, "noop": 0}
+FLOAT_BYTES = 4  # averaging and gradient exchange run in float32 (parallel/averaging.py)
+SMALL_MESSAGE = 8  # the participant count each exchange agrees on first
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One plan on ``workers`` devices: whether dl4py can train the network so, and if it can,
+    its time per step (``step_s`` = compute + communication), throughput and memory per device."""
+
+    plan: str
+    workers: int
+    admitted: bool
+    why_not: str = ""  # why dl4py cannot train the network with this plan
+    batch_per_rank: int = 0
+    samples_per_step: int = 0  # examples one step (round) trains, all ranks together
+    compute_s: float = 0.0
+    communication_s: float = 0.0
+    moved_bytes: int = 0  # bytes each rank passes into collectives per step
+    peak_bytes: int | None = None  # per device; None: not estimated for this plan
+    fits: bool | None = None  # within the device memory given; None: no memory given
+    largest_batch: int | None = None  # the largest B whose step fits; None: not searched
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.communication_s
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.samples_per_step / self.step_s if self.admitted and self.step_s > 0 else 0.0
+
+
+def predict(config, profile: DeviceProfile, workers: int, batch_size: int | None = None,
+            precision: str | None = None, device_memory: int | None = None,
+            averaging_frequency: int = 1, average_updaters: bool = True) -> list[Prediction]:
+    """Every plan of ``PLAN_NAMES`` for ``config`` (a run config, network or graph config) on
+    ``workers`` devices like ``profile``'s (on a CPU profile: ranks sharing that machine)."""
+    network, run_precision = network_of(config)
+    training = getattr(config, "training", None)
+    batch = batch_size if batch_size is not None else getattr(training, "batch_size", None)
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise ConfigError("batch_size", f"must be a whole number of examples of at least 1, got {batch!r} "
+                                        "(give --batch-size where the config's is auto or missing)")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ConfigError("devices", f"must be a whole number of at least 1, got {workers!r}")
+    precision = precision or run_precision or "float"
+    cost = _Cost(network, profile, precision, workers)
+    plans = [cost.single(batch)]
+    if workers > 1:
+        plans += [cost.data(batch, averaging_frequency, average_updaters), cost.data(batch, 1, False, shared=True),
+                  cost.sharded(batch), cost.tensor(batch), cost.hybrid(batch), cost.experiments(batch)]
+    return [_with_memory(p, network, precision, profile, device_memory) for p in plans]
+
+
+class _Cost:
+    """The time parts every plan is made of, for one network, profile and precision."""
+
+    def __init__(self, network, profile: DeviceProfile, precision: str, workers: int):
+        self.network, self.profile, self.precision, self.workers = network, profile, precision, workers
+        self.rate_precision = COMPUTE_PRECISION.get(precision, "float")
+        if self.rate_precision not in profile.matmul:
+            self.rate_precision = "float"  # a profile measured in float only (a quick CPU one)
+        updater = type(network.updater).__name__.lower()
+        self.update_passes = UPDATE_PASSES.get(updater, 5)
+        self.state_copies = STATE_COPIES.get(updater, 1)
+        # Ranks on one CPU machine share its cores; GPUs are a device each.
+        self.share = 1.0 / workers if profile.kind == "cpu" else 1.0
+
+    def work(self, batch: int) -> StepWork:
+        return step_work(self.network, batch, self.precision, device=self.profile.kind)
+
+    def compute(self, layers, share: float | None = None, flop_scale: dict[int, float] | None = None) -> float:
+        """Seconds of ``layers``' forward, backward and update on this rank's share of a device;
+        ``flop_scale``: layer index -> the fraction of its work this rank does (a split layer)."""
+        flop_scale = flop_scale or {}
+        seconds = 0.0
+        for layer in layers:
+            scale = flop_scale.get(layer.index, 1.0)
+            seconds += scale * (self._flop_seconds(layer, layer.forward_flops) + self._flop_seconds(
+                layer, layer.backward_flops, calls=2) + layer.bytes / self.profile.memory_bandwidth)
+            seconds += layer.kernels * self.profile.overhead_s
+            if not layer.frozen:
+                seconds += scale * self.update_passes * layer.parameter_bytes / self.profile.memory_bandwidth
+        return seconds / (share if share is not None else self.share)
+
+    def _flop_seconds(self, layer: LayerWork, flops: int, calls: int = 1) -> float:
+        if flops == 0:
+            return 0.0
+        kind = "conv" if layer.kind == "conv" else "matmul"
+        scale = 0.5 if self.precision == "double" else 1.0
+        return flops / (scale * self.profile.rate(kind, self.rate_precision, flops / calls))
+
+    def exchange(self, collective: str, nbytes: float, ranks: int | None = None) -> float:
+        ranks = ranks or self.workers
+        if ranks == 1 or nbytes <= 0:
+            return 0.0
+        link = self.profile.link(collective, ranks) or self.profile.link("all_reduce", ranks)
+        if link is None:
+            link = self._scaled_link(collective, ranks)
+        return link.seconds(nbytes)
+
+    def _scaled_link(self, collective: str, ranks: int):
+        """A link for a rank count not measured: the nearest measured one of the collective,
+        its time per byte scaled as a ring's, 2 (n - 1) / n (all-reduce) or (n - 1) (all-gather)."""
+        links = [link for link in self.profile.links if link.collective in (collective, "all_reduce")]
+        if not links:
+            raise ConfigError("profile", f"{self.profile.name!r} has no measured collectives; measure it with "
+                                         "`dl4py plan --profile` (its links time the ranks' exchanges)")
+        nearest = min(links, key=lambda link: (link.collective != collective, abs(link.ranks - ranks)))
+        factor = _ring_factor(nearest.collective, ranks) / _ring_factor(nearest.collective, nearest.ranks)
+        return type(nearest)(nearest.collective, nearest.backend, ranks, nearest.latency_s,
+                             nearest.bandwidth / factor, nearest.scope)
+
+    # -- the plans ---------------------------------------------------------------------
+
+    def single(self, batch: int) -> Prediction:
+        work = self.work(batch)
+        return Prediction("single", 1, True, batch_per_rank=batch, samples_per_step=batch,
+                          compute_s=self.compute(work.layers, share=1.0))
+
+    def data(self, batch: int, frequency: int, average_updaters: bool, shared: bool = False) -> Prediction:
+        work = self.work(batch)
+        trained = sum(layer.parameters for layer in work.layers if not layer.frozen)
+        if shared:
+            nbytes, every = trained * FLOAT_BYTES, 1
+        else:
+            copies = 1 + (self.state_copies if average_updaters else 0)
+            nbytes, every = trained * copies * FLOAT_BYTES, max(frequency, 1)
+        # Packing into one buffer and back: a read and a write each way.
+        packing = 4 * nbytes / self.profile.memory_bandwidth / self.share
+        exchange = self.exchange("all_reduce", SMALL_MESSAGE) + self.exchange("all_reduce", nbytes) + packing
+        name = "data-shared" if shared else "data-averaging"
+        return Prediction(name, self.workers, True, batch_per_rank=batch, samples_per_step=batch * self.workers,
+                          compute_s=self.compute(work.layers), communication_s=exchange / every,
+                          moved_bytes=int(nbytes / every))
+
+    def sharded(self, batch: int) -> Prediction:
+        work = self.work(batch)
+        seconds, moved = 0.0, 0
+        for part, trains in self._shards(work):
+            # gathered for the forward, again for the backward; its gradient reduce-scattered
+            seconds += 2 * self.exchange("all_gather", part) + (self.exchange("all_gather", part) if trains else 0)
+            moved += (3 if trains else 2) * part
+        return Prediction("sharded", self.workers, True, batch_per_rank=batch, samples_per_step=batch * self.workers,
+                          compute_s=self.compute(work.layers), communication_s=seconds, moved_bytes=moved)
+
+    def _shards(self, work: StepWork) -> list[tuple[int, bool]]:
+        """(bytes of one rank's shard, whether it trains) for each unit FSDP2 gathers at once:
+        the layout dl4py shards a network with, or for a graph each vertex with parameters."""
+        if isinstance(self.network, GraphConfig):
+            return [(-(-layer.parameter_bytes // self.workers), not layer.frozen)
+                    for layer in work.layers if layer.parameters]
+        element_bytes = _param_bytes(work)
+        return [(unit.shard_elements(self.workers) * element_bytes, unit.trains)
+                for unit in sharding_layout(self.network)]
+
+    def tensor(self, batch: int) -> Prediction:
+        work = self.work(batch)
+        pairs = _dense_pairs(self.network, work)
+        if not pairs:
+            return Prediction("tensor", self.workers, False, _NO_PAIRS if not isinstance(
+                self.network, GraphConfig) else "dl4py splits the dense layers of a MultiLayerNetwork; this is a graph")
+        split = {index: 1.0 / self.workers for pair in pairs for index in pair}
+        seconds, moved = self._pair_exchanges(work, pairs, rows=1)
+        # Every rank trains the same batch: a step is one batch, on a share of the device each.
+        return Prediction("tensor", self.workers, True, batch_per_rank=batch, samples_per_step=batch,
+                          compute_s=self.compute(work.layers, flop_scale=split), communication_s=seconds,
+                          moved_bytes=moved)
+
+    def hybrid(self, batch: int) -> Prediction:
+        work = self.work(batch)
+        pairs = _dense_pairs(self.network, work)
+        first_dense = next((layer.index for layer in work.layers if layer.type_name.startswith(("dense", "output"))),
+                           None)
+        if not pairs or first_dense is None or first_dense == 0:
+            why = _NO_PAIRS if not pairs else "the hybrid needs layers before the first dense layer to train apart"
+            if isinstance(self.network, GraphConfig):
+                why = "dl4py's hybrid is for a MultiLayerNetwork; this is a graph"
+            return Prediction("hybrid", self.workers, False, why)
+        before = [layer for layer in work.layers if layer.index < first_dense]
+        after = [layer for layer in work.layers if layer.index >= first_dense]
+        split = {index: 1.0 / self.workers for pair in pairs for index in pair}
+        # After the gather every rank holds W batches: the split pairs' share is one batch's work,
+        # the replicated layers (the output layer) do all W.
+        dense_scale = {layer.index: split.get(layer.index, 1.0) * self.workers for layer in after}
+        gathered = before[-1].output_elements * _activation_bytes(self.precision)
+        conv_bytes = sum(layer.parameters for layer in before if not layer.frozen) * FLOAT_BYTES
+        pair_seconds, pair_bytes = self._pair_exchanges(work, pairs, rows=self.workers)
+        seconds = (self.exchange("all_gather", gathered) * 2  # features forward, their gradient's rows back
+                   + self.exchange("all_reduce", conv_bytes) + pair_seconds)
+        return Prediction("hybrid", self.workers, True, batch_per_rank=batch, samples_per_step=batch * self.workers,
+                          compute_s=self.compute(before) + self.compute(after, flop_scale=dense_scale),
+                          communication_s=seconds, moved_bytes=int(2 * gathered + conv_bytes + pair_bytes))
+
+    def experiments(self, batch: int) -> Prediction:
+        work = self.work(batch)
+        return Prediction("experiments", self.workers, True, batch_per_rank=batch,
+                          samples_per_step=batch * self.workers, compute_s=self.compute(work.layers))
+
+    def _pair_exchanges(self, work: StepWork, pairs, rows: int) -> tuple[float, int]:
+        """Each pair's all-reduce of its output (forward) and of its input's gradient (backward)."""
+        by_index = {layer.index: layer for layer in work.layers}
+        seconds, moved = 0.0, 0
+        for first, second in pairs:
+            out_bytes = rows * by_index[second].output_elements * _activation_bytes(self.precision)
+            in_bytes = rows * _input_elements(work, first) * _activation_bytes(self.precision)
+            seconds += self.exchange("all_reduce", out_bytes) + self.exchange("all_reduce", in_bytes)
+            moved += out_bytes + in_bytes
+        return seconds, moved
+
+
+_NO_PAIRS = "no two hidden dense layers in a row to split (the tensor plans split dense pairs)"
+
+
+def _dense_pairs(network, work: StepWork) -> list[tuple[int, int]]:
+    """Consecutive hidden dense layers, paired from the first (``tensor_parallel_plan``'s rule)."""
+    if isinstance(network, GraphConfig):
+        return []
+    last = len(network.layers) - 1
+    pairs, waiting = [], None
+    for index, layer in enumerate(network.layers):
+        dense = index < last and type(layer).__name__ == "DenseLayer"
+        if not dense:
+            waiting = None
+        elif waiting is None:
+            waiting = index
+        else:
+            pairs.append((waiting, index))
+            waiting = None
+    return pairs
+
+
+def _input_elements(work: StepWork, index: int) -> int:
+    earlier = [layer for layer in work.layers if layer.index < index]
+    return earlier[-1].output_elements if earlier else 0
+
+
+def _activation_bytes(precision: str) -> int:
+    return {"double": 8, "half": 2, "bfloat16": 2, "mixed-fp16": 2, "mixed-bf16": 2}.get(precision, 4)
+
+
+def _param_bytes(work: StepWork) -> int:
+    parameters = work.parameters
+    return round(sum(layer.parameter_bytes for layer in work.layers) / parameters) if parameters else FLOAT_BYTES
+
+
+def _ring_factor(collective: str, ranks: int) -> float:
+    return 2 * (ranks - 1) / ranks if collective == "all_reduce" else ranks - 1
+
+
+def _with_memory(prediction: Prediction, network, precision: str, profile: DeviceProfile,
+                 device_memory: int | None) -> Prediction:
+    """The plan's peak per device from the memory estimator, whether it fits, and the largest batch."""
+    if not prediction.admitted:
+        return prediction
+    peak = _peak(prediction.plan, network, prediction.batch_per_rank, prediction.workers, precision, profile.kind)
+    if peak is None or device_memory is None:
+        return replace(prediction, peak_bytes=peak)
+    fits = peak <= device_memory
+    largest = _largest_batch(prediction.plan, network, prediction.workers, precision, profile.kind, device_memory)
+    return replace(prediction, peak_bytes=peak, fits=fits, largest_batch=largest)
+
+
+def _peak(plan: str, network, batch: int, workers: int, precision: str, device: str) -> int | None:
+    """Bytes one device holds at the step's peak; None where dl4py has no estimate for the plan
+    (tensor, hybrid) or the estimator cannot model the network."""
+    try:
+        if plan == "sharded":
+            return estimate(network, batch, precision, device=device, parallelism="sharded",
+                            workers=workers).needed_bytes(True)
+        if plan in ("tensor", "hybrid"):
+            return None
+        return estimate(network, batch, precision, device=device).needed_bytes(True)
+    except ConfigError:
+        return None
+
+
+def _largest_batch(plan: str, network, workers: int, precision: str, device: str, memory: int) -> int | None:
+    def fits(batch: int) -> bool:
+        peak = _peak(plan, network, batch, workers, precision, device)
+        return peak is not None and peak <= memory
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high <= 1 << 24 and fits(high):
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+__all__ = ["PLAN_NAMES", "Prediction", "predict"]

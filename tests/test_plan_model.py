@@ -1,0 +1,165 @@
+"""The planner's cost model (``dl4py.plan.model``), its answer (``plan.report``) and ``dl4py plan``.
+
+The figures here come from a made-up device with flat rates, so that each plan's time can be
+written down by hand from the network's work; whether the predictions match measured steps is
+``benchmarks/plan.py``'s question.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dl4py import RunConfig
+from dl4py.cli import main
+from dl4py.errors import ConfigError
+from dl4py.memory import estimate
+from dl4py.plan.model import UPDATE_PASSES, predict
+from dl4py.plan.profile import LOCAL, MEASURED, Curve, DeviceProfile, Link, Source, save_profile
+from dl4py.plan.report import recommend
+from dl4py.plan.work import step_work
+
+ROOT = Path(__file__).resolve().parents[1]
+MLP = ROOT / "examples" / "mlp_4000.yaml"  # 784-4000-4000-10, Nesterov
+LENET = ROOT / "examples" / "lenet_mnist.yaml"
+RESNET = ROOT / "examples" / "resnet_mnist.yaml"  # a graph
+RATE, BANDWIDTH, OVERHEAD = 1e11, 1e10, 1e-6
+LATENCY, LINK_BANDWIDTH = 1e-4, 1e9
+
+
+def device(kind: str = "cuda", link_bandwidth: float = LINK_BANDWIDTH, memory: int = 16 * 2**30) -> DeviceProfile:
+    flat = Curve(((1.0, RATE), (1e18, RATE)))
+    links = tuple(Link(collective, "gloo" if kind == "cpu" else "nccl", ranks, LATENCY, link_bandwidth, LOCAL)
+                  for collective in ("all_reduce", "all_gather") for ranks in (2, 4))
+    return DeviceProfile("test device", kind, memory, {"float": flat}, {"float": flat}, BANDWIDTH, OVERHEAD,
+                         Source(MEASURED, "made up"), threads=2 if kind == "cpu" else None, links=links)
+
+
+def by_plan(predictions) -> dict:
+    return {p.plan: p for p in predictions}
+
+
+def hand_step_seconds(config, batch: int, share: float = 1.0) -> float:
+    work = step_work(config, batch, device="cuda")
+    update = UPDATE_PASSES["nesterovs"] * sum(layer.parameter_bytes for layer in work.layers if not layer.frozen)
+    return (work.flops / RATE + (work.bytes + update) / BANDWIDTH + work.kernels * OVERHEAD) / share
+
+
+def link_seconds(nbytes: float) -> float:
+    return LATENCY + nbytes / LINK_BANDWIDTH
+
+
+def test_one_devices_step_is_its_layers_work_at_the_devices_rates():
+    config = RunConfig.from_file(MLP)
+    single = predict(config, device(), 1)[0]
+    assert single.plan == "single" and single.communication_s == 0
+    assert single.compute_s == pytest.approx(hand_step_seconds(config, 128), rel=1e-9)
+    assert single.samples_per_second == pytest.approx(128 / single.compute_s)
+
+
+def test_the_data_plans_exchange_what_their_replicas_meet_on():
+    config = RunConfig.from_file(MLP)
+    trained = step_work(config, 128).parameters * 4  # float32, as averaging.py exchanges
+    plans = by_plan(predict(config, device(), 2, averaging_frequency=3))
+    # Shared gradients: the participant count, then the gradients, every step; packed and unpacked.
+    shared = link_seconds(8) + link_seconds(trained) + 4 * trained / BANDWIDTH
+    assert plans["data-shared"].communication_s == pytest.approx(shared, rel=1e-9)
+    assert plans["data-shared"].moved_bytes == trained
+    # Averaging: parameters and Nesterov's momentum, every third round.
+    averaged = 2 * trained
+    assert plans["data-averaging"].communication_s == pytest.approx(
+        (link_seconds(8) + link_seconds(averaged) + 4 * averaged / BANDWIDTH) / 3, rel=1e-9)
+    # Each rank trains its own batch: a round trains two, in one device's step time.
+    assert plans["data-shared"].samples_per_step == 256
+    assert plans["data-shared"].compute_s == pytest.approx(hand_step_seconds(config, 128), rel=1e-9)
+
+
+def test_ranks_on_one_cpu_share_it_and_gpus_do_not():
+    config = RunConfig.from_file(LENET)
+    on_gpus = by_plan(predict(config, device("cuda"), 2))
+    on_cpu = by_plan(predict(config, device("cpu"), 2))
+    assert on_gpus["data-shared"].compute_s == pytest.approx(on_gpus["single"].compute_s)
+    assert on_cpu["data-shared"].compute_s == pytest.approx(2 * on_cpu["single"].compute_s)
+    # So on one CPU no plan beats one process: the answer is separate experiments or one run.
+    chosen, why = recommend(list(on_cpu.values()), step_work(config, 128))
+    assert chosen.plan in ("single", "experiments") and "faster than one device" in why
+
+
+def test_tensor_parallelism_splits_the_dense_pair_and_moves_its_activations():
+    config = RunConfig.from_file(MLP)
+    plans = by_plan(predict(config, device(), 2))
+    tensor = plans["tensor"]
+    assert tensor.admitted and tensor.samples_per_step == 128  # every rank the same batch
+    # The pair is layers 0 and 1: the all-reduce of layer 1's output forward; layer 0 reads the
+    # network's input, which takes no gradient, so nothing goes back.
+    assert tensor.moved_bytes == 128 * 4000 * 4
+    assert tensor.communication_s == pytest.approx(link_seconds(128 * 4000 * 4), rel=1e-9)
+    # Half of the pair's work, all of the output layer's.
+    work = step_work(config, 128)
+    halved = sum(layer.flops for layer in work.layers if layer.index in (0, 1)) / 2
+    assert tensor.compute_s < plans["single"].compute_s
+    assert tensor.compute_s == pytest.approx(plans["single"].compute_s - halved / RATE - sum(
+        UPDATE_PASSES["nesterovs"] * layer.parameter_bytes / 2 + layer.bytes / 2
+        for layer in work.layers if layer.index in (0, 1)) / BANDWIDTH, rel=1e-9)
+
+
+def test_plans_dl4py_cannot_train_a_network_with_are_refused_with_the_reason():
+    lenet = by_plan(predict(RunConfig.from_file(LENET), device(), 2))
+    assert not lenet["tensor"].admitted and "two hidden dense layers in a row" in lenet["tensor"].why_not
+    assert not lenet["hybrid"].admitted
+    graph = by_plan(predict(RunConfig.from_file(RESNET), device(), 2))
+    assert not graph["tensor"].admitted and "graph" in graph["tensor"].why_not
+    assert graph["sharded"].admitted and graph["sharded"].peak_bytes is None  # not estimated for graphs
+    mlp = by_plan(predict(RunConfig.from_file(MLP), device(), 2))
+    assert not mlp["hybrid"].admitted and "before the first dense layer" in mlp["hybrid"].why_not
+
+
+def test_what_fits_is_the_memory_estimate_and_the_largest_batch_is_the_last_that_does():
+    config = RunConfig.from_file(MLP)
+    single_peak = estimate(config, 128, device="cuda").needed_bytes(True)
+    plans = by_plan(predict(config, device(memory=single_peak - 1), 2, device_memory=single_peak - 1))
+    assert plans["single"].fits is False and plans["single"].peak_bytes == single_peak
+    assert plans["sharded"].fits is True  # half the parameters, gradients and momentum a rank
+    largest = plans["single"].largest_batch
+    assert estimate(config, largest, device="cuda").needed_bytes(True) <= single_peak - 1
+    assert estimate(config, largest + 1, device="cuda").needed_bytes(True) > single_peak - 1
+    chosen, why = recommend(list(plans.values()), step_work(config, 128))
+    assert chosen.plan == "sharded" and "one device cannot hold a step" in why
+
+
+def test_slow_links_leave_a_dense_network_on_one_device_and_fast_ones_spread_it():
+    config = RunConfig.from_file(MLP)
+    work = step_work(config, 128)
+    slow, _ = recommend(predict(config, device(link_bandwidth=1e6), 4), work)
+    fast, why = recommend(predict(config, device(link_bandwidth=1e13), 4), work)
+    assert slow.plan in ("single", "experiments")
+    assert fast.plan not in ("single", "experiments") and "dense layers hold 100% of the parameters" in why
+
+
+def test_bad_inputs_are_one_line_errors():
+    config = RunConfig.from_file(MLP)
+    with pytest.raises(ConfigError, match="devices"):
+        predict(config, device(), 0)
+    with pytest.raises(ConfigError, match="batch_size"):
+        predict(config, device(), 2, batch_size=0)
+
+
+def test_dl4py_plan_prints_the_plans_and_the_recommendation(tmp_path, capsys, monkeypatch):
+    profile = save_profile(device(), tmp_path / "profile.json")
+    assert main(["plan", str(MLP), "--devices", "2", "--profile", str(profile), "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert [p["plan"] for p in answer["plans"]] == ["single", "data-averaging", "data-shared", "sharded", "tensor",
+                                                    "hybrid", "experiments"]
+    assert answer["recommended"] in {p["plan"] for p in answer["plans"]} and answer["why"]
+    assert main(["plan", str(LENET), "--devices", "4", "--profile", "h100"]) == 0
+    shown = capsys.readouterr().out
+    assert "recommended:" in shown and "data-shared" in shown
+    # No profile measured on this machine yet: one line saying how to get one.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert main(["plan", str(LENET), "--devices", "2"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "dl4py plan --profile" in error
+    assert main(["plan"]) == 2
+    assert "give a run config" in capsys.readouterr().err
