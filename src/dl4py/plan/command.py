@@ -12,7 +12,7 @@ from dl4py.memory.capacity import parse_size
 from dl4py.plan.builtin_profiles import PUBLISHED, builtin_profile
 from dl4py.plan.model import predict
 from dl4py.plan.profile import DeviceProfile, default_profile_path, load_profile, measure_profile, save_profile
-from dl4py.plan.report import recommend, table, to_dict
+from dl4py.plan.report import capacity, recommend, table, to_dict
 from dl4py.plan.work import step_work
 
 MEASURE = "measure"  # --profile given without a value
@@ -30,14 +30,16 @@ def run(args) -> int:
                           device_memory=memory, averaging_frequency=config.training.averaging_frequency or 1)
     work = step_work(config, predictions[0].batch_per_rank, args.precision, device=profile.kind)
     chosen, why = recommend(predictions, work)
+    holds = capacity(work, memory, config.network.updater, args.devices)
     if args.json:
         print(json.dumps({"config": str(args.config), "devices": args.devices, "device_memory_bytes": memory,
                           "profile": source, "plans": [to_dict(p) for p in predictions],
-                          "recommended": chosen.plan, "why": why}, indent=2))
+                          "recommended": chosen.plan, "why": why, "capacity": holds}, indent=2))
         return 0
     print(f"{args.config}: {args.devices} device(s) of {memory / 2**30:,.1f} GiB, speeds from {source}\n")
     print(table(predictions))
     print(f"\nrecommended: {chosen.plan} on {chosen.workers} device(s): {why}")
+    print(f"capacity: {holds}")
     return 0
 
 

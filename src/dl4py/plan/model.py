@@ -4,9 +4,12 @@
 A step's compute on one device is, layer by layer, its matrix products and convolutions at
 the device's rate for calls of their size, its element-wise bytes at the device's memory
 bandwidth, a dispatch for each kernel, and the update (the parameters, their gradients and the
-updater state read and written once). Where ranks share a device (CPU ranks on one machine),
+updater state read and written once by a fused kernel, once per operator by the for-loop one the
+distributed plans use); on a CPU, the page faults of the buffers too large for the allocator to
+keep, made anew every step. Where ranks share a device (CPU ranks on one machine),
 each has its share of it. Communication is each plan's collectives, timed by the device's
-fitted links (``Link.seconds``: latency plus bytes over bandwidth), with no overlap: dl4py's
+fitted links (``Link.seconds``: latency plus bytes over bandwidth), plus the copies around
+them (averaging's flat buffer, FSDP2's buffers), with no overlap: dl4py's
 data-parallel modes exchange after the backward pass, and the sharded, tensor and hybrid plans
 wait on their gathers.
 
@@ -47,10 +50,30 @@ COMPUTE_PRECISION = {"float": "float", "double": "float", "half": "half", "mixed
 # Times the parameter bytes an update reads and writes: parameter, gradient and state(s).
 UPDATE_PASSES = {"sgd": 3, "nesterovs": 5, "adam": 7, "adamw": 7, "rmsprop": 5, "adagrad": 5, "adadelta": 7,
                  "adamax": 7, "nadam": 7, "amsgrad": 9, "noop": 0}
+# The same for torch's for-loop kernel, which dl4py's distributed plans (sharded, tensor, hybrid)
+# step with (nn/model.py ``_for_loop``: the fused and foreach kernels take no DTensors): one
+# operator at a time, each a pass of its own, e.g. SGD's ``buf.mul_(m).add_(g)``: 2 + 3, and
+# Nesterov's ``g.add(buf)``: a new tensor, 3. L2 (weight decay) adds ``g.add(p)``: 3 more.
+FOR_LOOP_UPDATE_PASSES = {"sgd": 3, "nesterovs": 11, "adam": 18, "adamw": 20}
+L2_PASSES = 3
 STATE_COPIES = {"sgd": 0, "nesterovs": 1, "adam": 2, "adamw": 2, "rmsprop": 1, "adagrad": 1, "adadelta": 2,
                 "adamax": 2, "nadam": 2, "amsgrad": 3, "noop": 0}
 FLOAT_BYTES = 4  # averaging and gradient exchange run in float32 (parallel/averaging.py)
 SMALL_MESSAGE = 8  # the participant count each exchange agrees on first
+# averaging.average's passes over its buffer, each a read and a write: the copy into one flat
+# buffer (torch.cat), its weighting (mul_), the division by the participants (div_), the copy back.
+PACKING_PASSES = 4
+# On a CPU, glibc serves an allocation over its largest mmap threshold (32 MiB on 64-bit,
+# DEFAULT_MMAP_THRESHOLD_MAX) from fresh pages and unmaps it when freed, so a buffer that big
+# allocated every step is faulted in page by page every step: a gradient (the step's
+# zero_grad(set_to_none=True) drops it), averaging's flat buffer. PyTorch's CUDA allocator caches.
+FRESH_PAGES_FROM = 32 * 2**20
+PAGE_BYTES = 4096
+# The kernel's cost of one such page (the trap and the zeroing), per thread; faults of
+# several threads run in parallel. Not in the profile yet (profile.py measures no fresh
+# allocation): Linux's usual figure, which a 77 MB buffer on the benchmark machine met
+# (1.4 us a page on one thread, 0.6 on two; benchmarks/results/plan-cpu.md).
+PAGE_FAULT_S = 1.4e-6
 
 
 @dataclass(frozen=True)
@@ -112,6 +135,9 @@ class _Cost:
             self.rate_precision = "float"  # a profile measured in float only (a quick CPU one)
         updater = type(network.updater).__name__.lower()
         self.update_passes = UPDATE_PASSES.get(updater, 5)
+        # An updater whose for-loop kernel is not counted: the fused kernel's passes, a lower bound.
+        self.for_loop_passes = FOR_LOOP_UPDATE_PASSES.get(updater, self.update_passes) + (
+            L2_PASSES if getattr(network, "l2", 0) else 0)
         self.state_copies = STATE_COPIES.get(updater, 1)
         # Ranks on one CPU machine share its cores; GPUs are a device each.
         self.share = 1.0 / workers if profile.kind == "cpu" else 1.0
@@ -119,19 +145,36 @@ class _Cost:
     def work(self, batch: int) -> StepWork:
         return step_work(self.network, batch, self.precision, device=self.profile.kind)
 
-    def compute(self, layers, share: float | None = None, flop_scale: dict[int, float] | None = None) -> float:
+    def compute(self, layers, share: float | None = None, flop_scale: dict[int, float] | None = None,
+                whole_gradients: bool = True, distributed: bool = False,
+                held: dict[int, float] | None = None) -> float:
         """Seconds of ``layers``' forward, backward and update on this rank's share of a device;
-        ``flop_scale``: layer index -> the fraction of its work this rank does (a split layer)."""
+        ``flop_scale``: layer index -> the fraction of its work this rank does (a split layer);
+        ``held``: layer index -> the fraction of its parameters this rank holds and updates
+        (default: ``flop_scale``'s; they differ where a rank's batch is not the config's);
+        ``whole_gradients``: False where each gradient is made a unit at a time (FSDP2's);
+        ``distributed``: the parameters are DTensors, stepped by the for-loop kernel."""
+        update_passes = self.for_loop_passes if distributed else self.update_passes
         flop_scale = flop_scale or {}
+        held = flop_scale if held is None else held
         seconds = 0.0
         for layer in layers:
-            scale = flop_scale.get(layer.index, 1.0)
+            scale, part = flop_scale.get(layer.index, 1.0), held.get(layer.index, 1.0)
             seconds += scale * (self._flop_seconds(layer, layer.forward_flops) + self._flop_seconds(
                 layer, layer.backward_flops, calls=2) + layer.bytes / self.profile.memory_bandwidth)
             seconds += layer.kernels * self.profile.overhead_s
             if not layer.frozen:
-                seconds += scale * self.update_passes * layer.parameter_bytes / self.profile.memory_bandwidth
+                seconds += part * update_passes * layer.parameter_bytes / self.profile.memory_bandwidth
+                if whole_gradients:  # its gradient, made anew every step
+                    seconds += self.fresh_pages_seconds(part * layer.parameter_bytes)
         return seconds / (share if share is not None else self.share)
+
+    def fresh_pages_seconds(self, nbytes: float) -> float:
+        """Faulting in a CPU buffer of ``nbytes`` allocated anew each step (``FRESH_PAGES_FROM``),
+        on the whole device (the caller divides by the rank's share, as for compute)."""
+        if self.profile.kind != "cpu" or nbytes <= FRESH_PAGES_FROM:
+            return 0.0
+        return nbytes / PAGE_BYTES * PAGE_FAULT_S / (self.profile.threads or 1)
 
     def _flop_seconds(self, layer: LayerWork, flops: int, calls: int = 1) -> float:
         if flops == 0:
@@ -148,6 +191,16 @@ class _Cost:
         if link is None:
             link = self._scaled_link(collective, ranks)
         return link.seconds(nbytes)
+
+    def reduce_scatter(self, part: float) -> float:
+        """A reduce-scatter leaving each rank ``part`` bytes. Its input is the whole unit, W parts:
+        gloo reduces all of it (torch's gloo reduce_scatter_tensor took twice an all-reduce of
+        the same 77 MB on the benchmark machine), so on gloo it is at least an all-reduce of the
+        unit; NCCL's ring moves one part per step, as an all-gather does."""
+        link = self.profile.link("all_reduce", self.workers)
+        if link is not None and link.backend == "gloo":
+            return self.exchange("all_reduce", part * self.workers)
+        return self.exchange("all_gather", part)
 
     def _scaled_link(self, collective: str, ranks: int):
         """A link for a rank count not measured: the nearest measured one of the collective,
@@ -176,8 +229,9 @@ class _Cost:
         else:
             copies = 1 + (self.state_copies if average_updaters else 0)
             nbytes, every = trained * copies * FLOAT_BYTES, max(frequency, 1)
-        # Packing into one buffer and back: a read and a write each way.
-        packing = 4 * nbytes / self.profile.memory_bandwidth / self.share
+        # averaging.average's passes over its flat buffer, which is allocated afresh every time.
+        packing = (2 * PACKING_PASSES * nbytes / self.profile.memory_bandwidth
+                   + self.fresh_pages_seconds(nbytes)) / self.share
         exchange = self.exchange("all_reduce", SMALL_MESSAGE) + self.exchange("all_reduce", nbytes) + packing
         name = "data-shared" if shared else "data-averaging"
         return Prediction(name, self.workers, True, batch_per_rank=batch, samples_per_step=batch * self.workers,
@@ -187,12 +241,19 @@ class _Cost:
     def sharded(self, batch: int) -> Prediction:
         work = self.work(batch)
         seconds, moved = 0.0, 0
+        copied = 0.0
         for part, trains in self._shards(work):
             # gathered for the forward, again for the backward; its gradient reduce-scattered
-            seconds += 2 * self.exchange("all_gather", part) + (self.exchange("all_gather", part) if trains else 0)
+            seconds += 2 * self.exchange("all_gather", part) + (self.reduce_scatter(part) if trains else 0)
             moved += (3 if trains else 2) * part
+            # FSDP2 copies around each collective, a read and a write each: a gather's shard
+            # into its send buffer and the gathered unit out into the parameters; the unit's
+            # gradients into the reduce-scatter's input (its chunk_cat).
+            copied += 2 * 2 * (part + self.workers * part) + (2 * self.workers * part if trains else 0)
+        seconds += copied / self.profile.memory_bandwidth / self.share
         return Prediction("sharded", self.workers, True, batch_per_rank=batch, samples_per_step=batch * self.workers,
-                          compute_s=self.compute(work.layers), communication_s=seconds, moved_bytes=moved)
+                          compute_s=self.compute(work.layers, whole_gradients=False, distributed=True),
+                          communication_s=seconds, moved_bytes=moved)
 
     def _shards(self, work: StepWork) -> list[tuple[int, bool]]:
         """(bytes of one rank's shard, whether it trains) for each unit FSDP2 gathers at once:
@@ -214,8 +275,8 @@ class _Cost:
         seconds, moved = self._pair_exchanges(work, pairs, rows=1)
         # Every rank trains the same batch: a step is one batch, on a share of the device each.
         return Prediction("tensor", self.workers, True, batch_per_rank=batch, samples_per_step=batch,
-                          compute_s=self.compute(work.layers, flop_scale=split), communication_s=seconds,
-                          moved_bytes=moved)
+                          compute_s=self.compute(work.layers, flop_scale=split, distributed=True),
+                          communication_s=seconds, moved_bytes=moved)
 
     def hybrid(self, batch: int) -> Prediction:
         work = self.work(batch)
@@ -239,7 +300,9 @@ class _Cost:
         seconds = (self.exchange("all_gather", gathered) * 2  # features forward, their gradient's rows back
                    + self.exchange("all_reduce", conv_bytes) + pair_seconds)
         return Prediction("hybrid", self.workers, True, batch_per_rank=batch, samples_per_step=batch * self.workers,
-                          compute_s=self.compute(before) + self.compute(after, flop_scale=dense_scale),
+                          compute_s=self.compute(before, distributed=True)
+                          # the update is of the parameters a rank holds, whatever its batch
+                          + self.compute(after, flop_scale=dense_scale, distributed=True, held=split),
                           communication_s=seconds, moved_bytes=int(2 * gathered + conv_bytes + pair_bytes))
 
     def experiments(self, batch: int) -> Prediction:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dl4py.memory.capacity import max_parameters
 from dl4py.plan.model import Prediction
 from dl4py.plan.work import StepWork
 
 # A plan must beat one device by this much to be worth its devices: below it, the devices
 # serve better as separate experiments (the forum thread's advice for most users).
 WORTH_IT = 1.2
+THREAD_RESERVE = "400MiB"  # the forum thread's buffer, kept free of parameters
 
 
 def recommend(predictions: list[Prediction], work: StepWork) -> tuple[Prediction, str]:
@@ -35,6 +37,26 @@ def recommend(predictions: list[Prediction], work: StepWork) -> tuple[Prediction
         return chosen, (f"no plan trains one network much faster than one device (the best, {best.plan}, "
                         f"{speedup:.2f}x): {reason}; run a separate experiment on each device instead")
     return best, f"{best.plan} trains {speedup:.2f}x as many examples a second as one device: {reason}"
+
+
+def capacity(work: StepWork, device_memory: int, updater, devices: int) -> str:
+    """The seed thread's arithmetic for this network: how many parameters one device holds by
+    its rule (a float and its momentum, 4 bytes each, 400 MiB kept free, activations aside),
+    how many training really holds (gradients too), and the plan and device count past it."""
+    thread = max_parameters(device_memory, "float", updater, reserved_bytes=THREAD_RESERVE, gradients=False)
+    training = max_parameters(device_memory, "float", updater, reserved_bytes=THREAD_RESERVE)
+    parameters = work.parameters
+    said = (f"by the seed thread's rule (a value and its momentum, 4 bytes each, 400 MiB kept free) a "
+            f"{_size(device_memory)} device holds {thread:,} parameters ({training:,} with the gradients "
+            f"training keeps too); this network has {parameters:,}")
+    if parameters <= training:
+        return f"{said}: one device holds it {training / parameters:,.1f} times over"
+    needed = next((n for n in range(2, 4097) if max_parameters(
+        device_memory, "float", updater, reserved_bytes=THREAD_RESERVE, shards=n) >= parameters), None)
+    if needed is None:
+        return f"{said}: more than 4,096 such devices, even sharded"
+    more = "" if needed <= devices else f" (more than the {devices} planned for)"
+    return f"{said}: past one device; sharded over {needed} devices{more} it fits"
 
 
 def _traffic(predictions: list[Prediction], work: StepWork) -> str:
