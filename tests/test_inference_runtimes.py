@@ -96,3 +96,14 @@ def test_a_runtime_whose_answers_differ_from_the_models_is_refused(trained):
 def test_an_unknown_runtime_names_the_choices(trained):
     with pytest.raises(ConfigError, match="runtime.*auto, torch, onnx, torchscript; got 'tensorrt'"):
         ParallelInference(trained[0], runtime="tensorrt")
+
+
+def test_an_onnx_replica_runs_more_examples_than_a_chunk_in_chunks(trained):
+    """Over CHUNK examples the session runs chunk by chunk and the answers are joined in order."""
+    from dl4py.inference.replicas import CHUNK
+
+    model, x, _ = trained
+    many = x.repeat(-(-(CHUNK + 5) // len(x)), 1)[:CHUNK + 5]
+    with ParallelInference(model, workers=1, runtime="onnx") as inference:
+        answers = inference.replicas[0].run(many)
+    assert_model_answers(answers, model.output(many))

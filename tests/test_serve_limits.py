@@ -20,6 +20,7 @@ import time
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -318,3 +319,21 @@ def test_max_connections_must_fit_the_open_file_limit(linear, tmp_path, capsys):
     assert main(["serve", str(model_file), "--port", "0", "--header-timeout", "-1"]) == 2
     printed = capsys.readouterr().err.strip().splitlines()
     assert printed == ["dl4py serve: error: header_timeout: must be seconds > 0, got -1.0"]
+
+
+def test_plain_bodies_read_straight_into_float32_and_the_rest_say_what_is_wrong():
+    """A body of numbers and lists only is read by numpy into float32 at once (serve/body.py's
+    plain path); a value that path cannot take goes to the checking path, which names it."""
+    from dl4py.serve import body as body_module
+    from dl4py.serve.body import RequestError, read_features
+
+    plain = b'{"features": [[0.5, -1, 3e5, 7]]}'
+    assert body_module._plain_numbers([[0.5, -1, 3e5, 7]]) is not None  # the fast path takes it
+    values = read_features(plain, (4,))
+    assert values.dtype == np.float32 and values.tolist() == [[0.5, -1.0, 3e5, 7.0]]
+    for body, message in ((b'{"features": [[1, 1e39, 2, 3]]}', "features[0][1] = 1e+39 is beyond float32's range"),
+                          (b'{"features": [[1, null, 2, 3]]}', "features[0][1] is null, not a number"),
+                          (b'{"features": [[1, 2, 3, 4], [5]]}', "different lengths")):
+        with pytest.raises(RequestError) as caught:
+            read_features(body, (4,))
+        assert message in caught.value.message, caught.value.message

@@ -146,11 +146,18 @@ class OnnxReplica(Replica):
         self.session = session
 
     def run(self, features: torch.Tensor) -> torch.Tensor:
-        array = features.detach().to("cpu", torch.float32).numpy()
-        outputs = [self.session.run(None, {INPUT_NAME: np.ascontiguousarray(array[start:start + CHUNK])})[0]
-                   for start in range(0, array.shape[0], CHUNK)]
-        predictions = torch.from_numpy(outputs[0] if len(outputs) == 1 else np.concatenate(outputs))
-        return predictions.to(self.model.backend.device)
+        features = features.detach()
+        if features.device.type != "cpu" or features.dtype != torch.float32:
+            features = features.to("cpu", torch.float32)
+        array = features.numpy()
+        if array.shape[0] <= CHUNK:  # one run (a request's few examples): no slicing, no concatenation
+            outputs = self.session.run(None, {INPUT_NAME: np.ascontiguousarray(array)})[0]
+        else:
+            outputs = np.concatenate([self.session.run(None, {INPUT_NAME: np.ascontiguousarray(
+                array[start:start + CHUNK])})[0] for start in range(0, array.shape[0], CHUNK)])
+        predictions = torch.from_numpy(outputs)
+        device = self.model.backend.device
+        return predictions if device.type == "cpu" else predictions.to(device)
 
     def __repr__(self) -> str:
         return f"OnnxReplica({self.index}, {self.device})"

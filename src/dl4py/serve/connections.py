@@ -258,6 +258,9 @@ class _ConnectionGuard(_DeadlinesAndRefusals):
             self._refuse(400, "the request is not valid HTTP/1.1 (its request line or headers are malformed)")
 
     def _headers_over_limit(self, data: bytes) -> bool:
-        pending = self.conn.trailing_data[0] + data
+        trailing = self.conn.trailing_data[0]
+        if len(trailing) + len(data) <= self._limits.max_header_bytes:
+            return False  # the headers are a part of these bytes: within the limit (no copy, no search)
+        pending = trailing + data
         end = _HEADER_END.search(pending, 0, self._limits.max_header_bytes + 4)
         return (end.end() if end else len(pending)) > self._limits.max_header_bytes

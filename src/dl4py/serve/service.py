@@ -106,7 +106,10 @@ class Service:
 
     def encode(self, outputs: torch.Tensor) -> bytes:
         """The JSON answer for the model's ``outputs`` of one request."""
-        values = outputs.detach().to("cpu", torch.float32).numpy()
+        outputs = outputs.detach()
+        if outputs.device.type != "cpu" or outputs.dtype != torch.float32:
+            outputs = outputs.to("cpu", torch.float32)
+        values = outputs.numpy()
         if self.classifier:
             classes = _classes(values)
             record = {"predictions": classes.tolist(), "probabilities": values.tolist()}
