@@ -78,9 +78,11 @@ def test_a_padded_average_pooling_has_the_cpus_gradients_on_cuda(name):
     (AvgPool2d(2, 2, 0), nn.AvgPool2d(2, 2, 0), (2, 3, 6, 4)),
 ])
 def test_dl4pys_average_pooling_is_torchs_on_the_cpu(pool, plain, shape):
+    """In channels-last (as a convolutional network now runs on a CPU too), against torch's
+    pooling of the same values in NCHW: the property CUDA's kernel breaks with padding."""
     x = torch.randn(*shape, dtype=torch.float64).contiguous(
         memory_format=torch.channels_last if len(shape) == 4 else torch.contiguous_format).requires_grad_(True)
-    x2 = x.detach().clone().requires_grad_(True)
+    x2 = x.detach().clone(memory_format=torch.contiguous_format).requires_grad_(True)
     out, expected = pool(x), plain(x2)
     assert torch.equal(out, expected)
     out.sum().backward()
