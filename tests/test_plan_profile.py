@@ -1,4 +1,4 @@
-"""Device profiles (``dl4py.plan.profile``, ``dl4py.plan.builtin_profiles``): a quick real
+"""Device profiles (``dl4py.plan.profile``, ``plan.measure``, ``plan.builtin_profiles``): a quick real
 measurement of this CPU with two gloo ranks, the JSON file and its errors, the published
 profiles, calibration and cluster links."""
 
@@ -14,15 +14,14 @@ import pytest
 
 from dl4py.errors import BackendError, ConfigError
 from dl4py.plan.builtin_profiles import PUBLISHED, builtin_profile, calibrate, cluster_profile, parse_rate
+from dl4py.plan.measure import fit_latency_bandwidth, measure_profile
 from dl4py.plan.profile import (
     COLLECTIVES,
     KINDS,
     NETWORK,
     Curve,
     default_profile_path,
-    fit_latency_bandwidth,
     load_profile,
-    measure_profile,
     save_profile,
 )
 
