@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from dl4py.errors import BackendError, ConfigError
 from dl4py.plan.builtin_profiles import PUBLISHED, builtin_profile, calibrate, cluster_profile, parse_rate
@@ -221,3 +223,19 @@ def test_cluster_profile_parses_rates_and_refuses_nonsense(measured):
             cluster_profile(measured[0], bandwidth=bad)
     with pytest.raises(ConfigError, match="^latency:"):
         cluster_profile(measured[0], latency="soon")
+
+
+def test_a_curve_whose_first_size_stalls_still_measures_the_next():
+    """On a loaded machine every call of the first size can wait on the thread pool; the budget
+    projected from that one point must not end the curve at it (a matmul curve of one point at
+    4 MFLOP/s made every prediction seconds long)."""
+    from dl4py.plan.measure import _Timer
+
+    def stalled():
+        return lambda: time.sleep(0.016)  # a 32x32 product's 65,536 FLOPs at 4 MFLOP/s
+
+    def quick():
+        return lambda: None
+
+    curve = _Timer(torch.device("cpu"), repeats=3).curve([(65_536, stalled), (4_194_304, quick)], share_s=0.5)
+    assert len(curve.points) == 2 and curve.points[1][1] > curve.points[0][1]

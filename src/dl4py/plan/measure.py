@@ -177,7 +177,9 @@ class _Timer:
 
     def curve(self, cases: list, share_s: float) -> Curve:
         """Sizes in order until the rate falls past its plateau (CPU half precision does) or
-        the next size would not fit in ``share_s``; at least the first."""
+        the next size would not fit in ``share_s``; at least the first two while time is left:
+        on a loaded machine a first size's calls can all wait on the thread pool (a 32x32
+        product at 4 MFLOP/s), and a budget projected from that one point would end the curve there."""
         until, points = time.monotonic() + share_s, []
         for index, (flops, make) in enumerate(cases):
             seconds = self.seconds(make(), until)
@@ -187,7 +189,8 @@ class _Timer:
                 break
             # as if the rate went on falling as much as it fell from the best: CPU half does
             next_call_s = seconds * cases[index + 1][0] / flops * best / points[-1][1]
-            if time.monotonic() + (MIN_SAMPLES + 2) * next_call_s > until:
+            out_of_time = time.monotonic() + (MIN_SAMPLES + 2) * next_call_s > until
+            if time.monotonic() > until or (index >= 1 and out_of_time):
                 break
         return Curve(tuple(points))
 
