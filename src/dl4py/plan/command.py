@@ -10,13 +10,13 @@ from dl4py.config import RunConfig
 from dl4py.errors import ConfigError
 from dl4py.memory.capacity import parse_size
 from dl4py.plan.builtin_profiles import PUBLISHED, builtin_profile
-from dl4py.plan.model import predict
 from dl4py.plan.measure import measure_profile
+from dl4py.plan.model import predict
 from dl4py.plan.profile import DeviceProfile, default_profile_path, load_profile, save_profile
 from dl4py.plan.report import capacity, recommend, table, to_dict
 from dl4py.plan.work import step_work
 
-MEASURE = "measure"  # --profile given without a value
+MEASURE = "measure"  # --profile given without a value (cli.py's const for it)
 
 
 def run(args) -> int:
