@@ -146,7 +146,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--profile", nargs="?", const="measure", metavar="FILE|GPU",
                       help="speeds from FILE or a built-in GPU (h100, h200, a100, l4, rtx4090, t4); default: this "
                            "machine's measured profile. Alone (no config): measure this machine and save it")
-    plan.add_argument("--device", help="cpu (default) or cuda[:N]: the device --profile measures")
+    plan.add_argument("--device", help="cpu (default) or cuda[:N]: the device --profile measures, and whose "
+                                       "measured profile a plan reads by default")
     plan.add_argument("--budget", type=float, default=60.0, help="seconds --profile may take (default 60)")
     plan.add_argument("--output", help="where --profile saves (default: dl4py's cache folder)")
     plan.add_argument("--json", action="store_true")
