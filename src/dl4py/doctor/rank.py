@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dl4py.doctor.result import first_line
+from dl4py.doctor.result import first_line, report_stage
 
 MARGIN_S = 1.0  # torch's timeout fires this long before the kill
 
@@ -32,11 +32,11 @@ def main(argv: list[str]) -> int:
         if backend == "nccl":  # one GPU per rank: NCCL refuses two ranks on one device
             device = torch.device("cuda", rank)
             torch.cuda.set_device(device)
-        _stage(report, "rendezvous")
+        report_stage(report, "rendezvous")
         timeout = timedelta(seconds=max(1.0, deadline - time.time() - MARGIN_S))
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
         try:
-            _stage(report, "all_reduce")
+            report_stage(report, "all_reduce")
             value = torch.tensor([float(rank + 1)], device=device)
             dist.all_reduce(value)
             report["value"] = value.item()  # waits for the collective to finish
@@ -47,11 +47,6 @@ def main(argv: list[str]) -> int:
         report["error"] = first_line(exc)
     print(json.dumps(report), flush=True)
     return 1 if "error" in report else 0
-
-
-def _stage(report: dict, stage: str) -> None:
-    report["stage"] = stage
-    print(json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ address must be one of this machine's: rank 0 listens there, and all ranks run h
 
 from __future__ import annotations
 
-import json
 import socket
 import sys
 import time
@@ -17,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from dl4py.doctor.children import DEADLINE, PEER_FAILED, Exit, run_bounded
-from dl4py.doctor.result import FAILED, PASSED, SKIPPED, Result
+from dl4py.doctor.result import FAILED, PASSED, SKIPPED, Result, last_report
 
 IFNAME_HINT = "set GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME for NCCL) to the interface the nodes share"
 
@@ -69,7 +68,7 @@ def _local_port(address: Address) -> tuple[int, Result | None]:
 
 
 def _verdict(exits: list[Exit], world: int, where: Address, timeout: float, seconds: float) -> Result:
-    reports = [_last_report(e.stdout) for e in exits]
+    reports = [last_report(e.stdout) for e in exits]
     expected = world * (world + 1) / 2
     for rank, (end, report) in enumerate(zip(exits, reports)):
         if end.killed is None and report.get("error"):
@@ -104,17 +103,6 @@ def _rank_error(rank: int, report: dict, where: Address) -> Result:
                       "still running may hold MASTER_PORT)")
     return Result(FAILED, f"rank {rank} failed in {stage} at {where}: {error}",
                   f"check that the address is this machine's and the port is open; {IFNAME_HINT}")
-
-
-def _last_report(stdout: str) -> dict:
-    for line in reversed(stdout.strip().splitlines()):
-        try:
-            report = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(report, dict):
-            return report
-    return {}
 
 
 def nccl_rendezvous(address: Address, timeout: float) -> Result:

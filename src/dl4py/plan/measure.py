@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dl4py.doctor.children import DEADLINE, run_bounded
-from dl4py.doctor.result import first_line
+from dl4py.doctor.result import first_line, last_report, report_stage
 from dl4py.errors import BackendError, ConfigError
 from dl4py.plan.profile import (COLLECTIVES, KINDS, LOCAL, MEASURED, PRECISIONS, Curve, DeviceProfile, Link,
                                 Source)
@@ -227,7 +227,7 @@ def _measure_links(backend: str, world: int, deadline: float, quick: bool) -> li
     commands = [[sys.executable, "-c", RANK_PROGRAM, str(rank), str(world), backend, f"tcp://127.0.0.1:{port}",
                  repr(wall_deadline), ",".join(map(str, sizes)), str(repeats)] for rank in range(world)]
     exits = run_bounded(commands, deadline)
-    reports = [_last_json(e.stdout) for e in exits]
+    reports = [last_report(e.stdout) for e in exits]
     what = f"timing {backend} collectives among {world} ranks"
     for rank, (end, report) in enumerate(zip(exits, reports)):
         if end.killed == DEADLINE:
@@ -273,12 +273,12 @@ def link_rank_main(argv: list[str]) -> int:
         if backend == "nccl":
             target = torch.device("cuda", rank)
             torch.cuda.set_device(target)
-        _stage(report, "rendezvous")
+        report_stage(report, "rendezvous")
         timeout = timedelta(seconds=max(1.0, deadline - time.time() - RANK_MARGIN_S))
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
         try:
             report["timings"] = {name: [[n, _time_collective(name, n, world, target, repeats)] for n in sizes]
-                                 for name in COLLECTIVES if _stage(report, name) is None}
+                                 for name in COLLECTIVES if report_stage(report, name) is None}
         finally:
             dist.destroy_process_group()
         report["stage"] = "done"
@@ -305,19 +305,3 @@ def _time_collective(name: str, nbytes: int, world: int, target: torch.device, r
         if index >= 2:
             samples.append(time.perf_counter() - start)
     return statistics.median(samples)
-
-
-def _stage(report: dict, stage: str) -> None:
-    report["stage"] = stage
-    print(json.dumps(report), flush=True)
-
-
-def _last_json(stdout: str) -> dict:
-    for line in reversed(stdout.strip().splitlines()):
-        try:
-            report = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(report, dict):
-            return report
-    return {}
