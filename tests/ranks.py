@@ -19,6 +19,7 @@ import time
 import traceback
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -51,6 +52,22 @@ def run_ranks(program, args: tuple, ranks: int, timeout: float, errors: Path | N
         finally:
             _kill(processes)
     assert not problems, "; ".join(problems)
+
+
+def commands_running(*words: str) -> list[str]:
+    """Command lines of the processes still running, this one aside, that mention every one of
+    ``words``: a test's check that no rank it started outlived it. Skips without /proc."""
+    if not Path("/proc").is_dir():
+        pytest.skip("needs /proc to list processes")
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if entry.name != str(os.getpid()) and all(word in command for word in words):
+            found.append(command)
+    return found
 
 
 def join_group(rank: int, world: int, rendezvous: str, device: str = "cpu") -> None:

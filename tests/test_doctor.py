@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +26,7 @@ from dl4py.doctor import (
 from dl4py.doctor import checks, data_check, runner
 from dl4py.doctor.children import DEADLINE, Exit, run_bounded
 from dl4py.doctor.rendezvous import Address, _verdict
+from ranks import commands_running
 
 NAMES = ["backend", "cuda_devices", "allocator", "dev_shm", "data", "gloo", "nccl", "rendezvous_gloo",
          "rendezvous_nccl"]
@@ -44,17 +44,7 @@ def doctor(*args: str) -> tuple[subprocess.CompletedProcess, float]:
 
 def ranks_left(*words: str) -> list[str]:
     """Command lines of the doctor's rank processes still running (that mention ``words``)."""
-    if not Path("/proc").is_dir():
-        pytest.skip("needs /proc to list processes")
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if "dl4py.doctor.rank" in command and all(word in command for word in words):
-            found.append(command)
-    return found
+    return commands_running("dl4py.doctor.rank", *words)
 
 
 @pytest.mark.slow

@@ -26,23 +26,9 @@ from dl4py.plan.profile import (
     load_profile,
     save_profile,
 )
+from ranks import commands_running
 
 RANK_MARK = "link_rank_main"  # in the command line of every rank process
-
-
-def rank_processes() -> list[str]:
-    """Command lines of collective-timing ranks still running, anyone's."""
-    if not Path("/proc").is_dir():
-        pytest.skip("needs /proc to list processes")
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if RANK_MARK in command and str(os.getpid()) != entry.name:
-            found.append(command)
-    return found
 
 
 def children() -> set[int]:
@@ -98,14 +84,14 @@ def test_collectives_are_timed_among_two_gloo_ranks_and_none_is_left(measured):
         assert len(link.samples) >= 2 and all(seconds > 0 for _, seconds in link.samples)
         assert link.seconds(2**24) > link.seconds(2**12)
     assert started == set()  # every rank process this test's measurement started has exited
-    assert rank_processes() == []
+    assert commands_running(RANK_MARK) == []
 
 
 @pytest.mark.timeout(120)
 def test_a_measurement_past_its_budget_kills_its_ranks():
     with pytest.raises(BackendError, match="killed; give a larger budget_s"):
         measure_profile("cpu", ranks=(2,), threads=1, quick=True, budget_s=0.5)
-    assert rank_processes() == []
+    assert commands_running(RANK_MARK) == []
 
 
 def test_bad_arguments_are_named():

@@ -14,10 +14,8 @@ import torch
 from torch import nn
 
 from dl4py.config import (
-    Adam,
     ConvolutionLayer,
     InputType,
-    NetworkConfig,
     OutputLayer,
     RnnOutputLayer,
     Subsampling1DLayer,
@@ -25,13 +23,7 @@ from dl4py.config import (
 )
 from dl4py.nn import MultiLayerNetwork
 from dl4py.nn.pooling import AvgPool1d, AvgPool2d
-
-
-def _conf(input_type, *layers):
-    builder = NetworkConfig.builder().seed(7).updater(Adam(learning_rate=0.01))
-    for layer in layers:
-        builder.layer(layer)
-    return builder.input_type(input_type).build()
+from test_layers_conv_extra import _conf
 
 
 NETWORKS = {

@@ -11,7 +11,6 @@ fitted to them (``fit_latency_bandwidth``).
 from __future__ import annotations
 
 import datetime
-import json
 import math
 import os
 import platform
@@ -19,14 +18,14 @@ import socket
 import statistics
 import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from dl4py.doctor.children import DEADLINE, run_bounded
-from dl4py.doctor.result import first_line, last_report, report_stage
+from dl4py.doctor.rank import run_in_group
+from dl4py.doctor.result import last_report, report_stage
 from dl4py.errors import BackendError, ConfigError
 from dl4py.plan.profile import (COLLECTIVES, KINDS, LOCAL, MEASURED, PRECISIONS, Curve, DeviceProfile, Link,
                                 Source)
@@ -48,7 +47,6 @@ WARM_UP_S = 0.4  # per size: long enough for oneDNN's first calls of a shape, wh
 PAST_PLATEAU = 0.5  # a size whose rate falls below this much of the best so far ends the curve (noise
 # on a shared CPU moves a point by a third; CPU half precision falls by half and more)
 COMPUTE_SHARE = 0.5  # of budget_s, for compute; collectives get the rest
-RANK_MARGIN_S = 1.0  # torch.distributed's own timeout fires this long before the kill
 
 
 def measure_profile(device: str = "cpu", ranks: tuple[int, ...] | None = None, backend: str | None = None,
@@ -264,28 +262,15 @@ def fit_latency_bandwidth(samples) -> tuple[float, float]:
 def link_rank_main(argv: list[str]) -> int:
     """One rank timing collectives: ``RANK WORLD BACKEND INIT_METHOD DEADLINE SIZES REPEATS``.
     Prints a JSON line as it enters each stage and one at the end (``timings``: collective ->
-    [[bytes, median seconds], ...], or ``error``), like the doctor's ranks."""
+    [[bytes, median seconds], ...], or ``error``): the doctor's rank program (``run_in_group``)."""
     rank, world, backend, init_method = int(argv[0]), int(argv[1]), argv[2], argv[3]
     deadline, sizes, repeats = float(argv[4]), [int(s) for s in argv[5].split(",")], int(argv[6])
-    report: dict = {"rank": rank}
-    try:
-        target = torch.device("cpu")
-        if backend == "nccl":
-            target = torch.device("cuda", rank)
-            torch.cuda.set_device(target)
-        report_stage(report, "rendezvous")
-        timeout = timedelta(seconds=max(1.0, deadline - time.time() - RANK_MARGIN_S))
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
-        try:
-            report["timings"] = {name: [[n, _time_collective(name, n, world, target, repeats)] for n in sizes]
-                                 for name in COLLECTIVES if report_stage(report, name) is None}
-        finally:
-            dist.destroy_process_group()
-        report["stage"] = "done"
-    except Exception as exc:
-        report["error"] = first_line(exc)
-    print(json.dumps(report), flush=True)
-    return 1 if "error" in report else 0
+
+    def timings(report: dict, target: torch.device, rank: int, world: int) -> None:
+        report["timings"] = {name: [[n, _time_collective(name, n, world, target, repeats)] for n in sizes]
+                             for name in COLLECTIVES if report_stage(report, name) is None}
+
+    return run_in_group(rank, world, backend, init_method, deadline, timings)
 
 
 def _time_collective(name: str, nbytes: int, world: int, target: torch.device, repeats: int) -> float:
