@@ -167,6 +167,9 @@ def test_what_fits_is_the_memory_estimate_and_the_largest_batch_is_the_last_that
     assert estimate(config, largest + 1, device="cuda").needed_bytes(True) > single_peak - 1
     chosen, why = recommend(list(plans.values()), step_work(config, 128))
     assert chosen.plan == "sharded" and "one device cannot hold a step" in why
+    # On a roomy device the bound is the 2**31 elements CUDA kernels index, as dl4py memory says.
+    roomy = by_plan(predict(RunConfig.from_file(LENET), device(memory=80 * 2**30), 2, device_memory=80 * 2**30))
+    assert roomy["single"].largest_batch == estimate(RunConfig.from_file(LENET), 1).max_batch_by_elements == 186_413
 
 
 def test_slow_links_leave_a_dense_network_on_one_device_and_fast_ones_spread_it():

@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 
 from dl4py.config.graph import GraphConfig
 from dl4py.errors import ConfigError
+from dl4py.memory.capacity import max_batch_size
 from dl4py.memory.estimate import estimate
 from dl4py.memory.sharded import sharding_layout
 from dl4py.memory.step_sizes import network_of
@@ -374,34 +375,30 @@ def _with_memory(prediction: Prediction, network, precision: str, profile: Devic
     return replace(prediction, peak_bytes=peak, fits=fits, largest_batch=largest)
 
 
+def _estimate_options(plan: str, workers: int) -> dict | None:
+    """The memory estimator's options for one device of ``plan``; None where dl4py has no
+    estimate for the plan (tensor, hybrid)."""
+    if plan in ("tensor", "hybrid"):
+        return None
+    return {"parallelism": "sharded", "workers": workers} if plan == "sharded" else {}
+
+
 def _peak(plan: str, network, batch: int, workers: int, precision: str, device: str) -> int | None:
     """Bytes one device holds at the step's peak; None where dl4py has no estimate for the plan
-    (tensor, hybrid) or the estimator cannot model the network."""
+    or the estimator cannot model the network."""
+    options = _estimate_options(plan, workers)
+    if options is None:
+        return None
     try:
-        if plan == "sharded":
-            return estimate(network, batch, precision, device=device, parallelism="sharded",
-                            workers=workers).needed_bytes(True)
-        if plan in ("tensor", "hybrid"):
-            return None
-        return estimate(network, batch, precision, device=device).needed_bytes(True)
+        return estimate(network, batch, precision, device=device, **options).needed_bytes(True)
     except ConfigError:
         return None
 
 
-def _largest_batch(plan: str, network, workers: int, precision: str, device: str, memory: int) -> int | None:
-    def fits(batch: int) -> bool:
-        peak = _peak(plan, network, batch, workers, precision, device)
-        return peak is not None and peak <= memory
-
-    if not fits(1):
-        return 0
-    low, high = 1, 2
-    while high <= 1 << 24 and fits(high):
-        low, high = high, high * 2
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
-    return low
+def _largest_batch(plan: str, network, workers: int, precision: str, device: str, memory: int) -> int:
+    """The largest batch whose step fits ``memory``, as ``dl4py memory`` finds it (for a plan
+    ``_peak`` estimates)."""
+    return max_batch_size(network, memory, precision, device=device, **_estimate_options(plan, workers))
 
 
 __all__ = ["PLAN_NAMES", "Prediction", "predict"]
