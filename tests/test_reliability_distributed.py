@@ -29,6 +29,7 @@ from dl4py.config.run import RunConfig
 from dl4py.errors import ConfigError, WorkerError
 from dl4py.parallel import ParallelPlan, ParallelWrapper
 from dl4py.parallel.phase import PHASES
+from dl4py.parallel import watchdog
 from dl4py.parallel.watchdog import Record, missing
 from dl4py.train import TrainingInterrupted
 from dl4py.train.listeners import CheckpointListener
@@ -71,6 +72,35 @@ def test_the_rank_behind_is_named_and_ranks_that_all_compute_never_are():
                                          "input_type": {"type": "feed_forward", "size": 3}},
                              "training": {"workers": 2, "timeout": 0}})
 
+
+
+class _WriteRecorder:
+    def __init__(self):
+        self.writes = []
+
+    def write(self, text):
+        self.writes.append(text)
+        return len(text)
+
+    def flush(self):
+        pass
+
+
+class _EndedBoard:
+    def ended(self):
+        return "rank 1 did not arrive at collective 9 within timeout=10 s"
+
+
+def test_a_rank_says_why_it_stops_in_one_write_so_two_ranks_lines_never_run_together(monkeypatch):
+    # Every torchrun rank shares one stderr: a line written in two parts (print's text, then
+    # its newline) ran into the other rank's line when both stopped at once.
+    stderr, codes = _WriteRecorder(), []
+    monkeypatch.setattr(sys, "stderr", stderr)
+    monkeypatch.setattr(watchdog, "end_process", codes.append)
+    dog = watchdog.Watchdog(rank=0, board=_EndedBoard(), timeout=5.0, judge=True)
+    dog._judge(_record(9), now=100.0)
+    assert stderr.writes == ["dl4py: rank 0 stops: rank 1 did not arrive at collective 9 within timeout=10 s\n"]
+    assert codes == [watchdog.HANG_EXIT_CODE]
 
 # ---- spawned workers -----------------------------------------------------------------------
 SESSION_HELPERS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")  # kept for the session

@@ -209,10 +209,17 @@ class Watchdog:
                 line, found_here = f"rank {found.rank} {found.reason}", True
                 self.board.end(line)
         if line is not None and not self._halt.is_set():
-            print(f"dl4py: rank {self.rank} stops: {line}", file=sys.stderr, flush=True)
+            say_whole_line(f"dl4py: rank {self.rank} stops: {line}")
             if found_here:  # this process may host the store: the others read the line first
                 time.sleep(2 * self.tick)
             end_process(HANG_EXIT_CODE)
+
+
+def say_whole_line(text: str) -> None:
+    """One write of the line with its newline: every rank shares torchrun's stderr, and
+    print's two writes (the text, then the newline) let two ranks' lines run together."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
 
 
 def end_process(code: int) -> None:
