@@ -337,3 +337,26 @@ def test_plain_bodies_read_straight_into_float32_and_the_rest_say_what_is_wrong(
         with pytest.raises(RequestError) as caught:
             read_features(body, (4,))
         assert message in caught.value.message, caught.value.message
+
+
+def test_one_pass_tells_a_body_of_numbers_and_lists_from_one_the_checking_path_must_read():
+    """serve/body.py's ``_plain``: what it passes skips the boolean scan and the nesting count,
+    so a boolean, null, string, second key or deep nesting must never pass it."""
+    from dl4py.serve.body import MAX_NESTING, RequestError, _plain, read_features
+
+    depth = MAX_NESTING - 1  # arrays under the object: as deep as a body may nest
+    assert _plain(b'{"features": [[0.5, -1, 3E+5, 7e-2]]}')
+    assert _plain(b' {\n\t"features" :[[1,2],[3,4]] }\r\n')
+    assert _plain(json.dumps({"features": [[1, 2, 3, 4]] * 100}).encode())  # many examples, 3 levels
+    assert _plain(b'{"features": ' + b"[" * depth + b"1" + b"]" * depth + b"}")
+    for body in (b'{"features": [[true, 1, 2, 3]]}', b'{"features": [[1, false, 2, 3]]}',
+                 b'{"features": [[1, null, 2, 3]]}', b'{"features": [["1", 2, 3, 4]]}',
+                 b'{"features": [[1, 2, 3, 4]], "note": 5}', b'{"feat\\u0075res": [[1, 2, 3, 4]]}',
+                 b'{"features": [[NaN, 1, 2, 3]]}', b'{"features": [[-Infinity, 1, 2, 3]]}',
+                 b'[{"features": [[1, 2, 3, 4]]}]', b'{"features": {"x": [1, 2, 3, 4]}}',
+                 b'{"features": ' + b"[" * (depth + 1) + b"1" + b"]" * (depth + 1) + b"}",
+                 b'{"features": [' + b"[1], " * 40 + b"[" * depth + b"1" + b"]" * depth + b"]}"):
+        assert not _plain(body), body[:60]
+    with pytest.raises(RequestError) as caught:  # what the plain path would have read as 1.0
+        read_features(b'{"features": [[true, 1, 2, 3]]}', (4,))
+    assert caught.value.message == "features[0][0] is true, not a number"

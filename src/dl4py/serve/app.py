@@ -213,15 +213,33 @@ async def _internal_error(request, error):
                           request_id)
 
 
-def _json_response(status: int, body, request_id: str | None = None, headers=None):
+def _json_response(status: int, body, request_id: str | None = None, headers=None) -> "JsonAnswer":
     """``body``: JSON bytes already made, a message (for an error), or a dict."""
-    from starlette.responses import Response  # optional: starlette (extra serve)
-
     if isinstance(body, str):
         body = {"error": body, **({"request_id": request_id} if request_id else {})}
     if isinstance(body, dict):
         body = json.dumps(body).encode("utf-8")
-    headers = dict(headers or {})
+    raw_headers = [(b"content-length", str(len(body)).encode("latin-1")), _JSON_TYPE]
     if request_id:
-        headers["X-Request-ID"] = request_id
-    return Response(body, status_code=status, media_type="application/json", headers=headers)
+        raw_headers.append((b"x-request-id", request_id.encode("latin-1")))
+    for name, value in (headers or {}).items():
+        raw_headers.append((name.lower().encode("latin-1"), value.encode("latin-1")))
+    return JsonAnswer(status, raw_headers, body)
+
+
+_JSON_TYPE = (b"content-type", b"application/json")
+
+
+class JsonAnswer:
+    """A JSON answer as the ASGI messages that send it: what Starlette's Response sends for
+    it, without building and then reading back a headers object (a tenth of a small request's
+    own time in the app)."""
+
+    __slots__ = ("status_code", "raw_headers", "body")
+
+    def __init__(self, status: int, raw_headers: list[tuple[bytes, bytes]], body: bytes):
+        self.status_code, self.raw_headers, self.body = status, raw_headers, body
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": self.body})

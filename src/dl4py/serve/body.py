@@ -22,6 +22,10 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 MAX_NESTING = 32
 # What is left of a body once every byte but the structural ones is deleted (bytes.translate).
 _NOT_STRUCTURE = bytes(c for c in range(256) if c not in b'[]{}"')
+# The bytes of JSON numbers, their separators and whitespace: deleted from a body of numbers
+# and lists under "features", they leave its key, braces and brackets (one pass: ``_plain``).
+_NUMBER_BYTES = b"0123456789.eE+-, \t\n\r"
+_PLAIN_HEAD = b'{"features":'.translate(None, _NUMBER_BYTES)
 
 
 class RequestError(Exception):
@@ -38,7 +42,8 @@ def read_features(body: bytes, example_shape: tuple[int, ...]) -> np.ndarray:
     ``features`` is a list of examples, each nested as ``example_shape`` or flat (its
     ``prod(example_shape)`` numbers), or one such example alone.
     """
-    document = _json(body)
+    plain = _plain(body)
+    document = _json(body, checked_nesting=plain)
     if not isinstance(document, dict):
         raise RequestError(422, f'the body must be a JSON object {{"features": [...]}}, got a JSON {_kind(document)}')
     if "features" not in document:
@@ -46,15 +51,30 @@ def read_features(body: bytes, example_shape: tuple[int, ...]) -> np.ndarray:
         raise RequestError(422, f'the body has no "features" key (its keys: {keys}); '
                                 'send {"features": [[...], ...]}, one list of numbers per example')
     features = document["features"]
-    if b"true" in body or b"false" in body:  # numpy would take a JSON boolean for 1 or 0
+    if not plain and (b"true" in body or b"false" in body):  # numpy would take a JSON boolean for 1 or 0
         bad = _first_non_number(features, "features")
         if bad is not None:
             raise RequestError(422, bad)
-    # No string (the key's two quotes are the body's only ones) and no null: only numbers and
-    # lists, which numpy reads straight into float32; anything else takes the checking path.
-    plain = body.count(b'"') == 2 and b"null" not in body
+    # Only numbers and lists, which numpy reads straight into float32; anything else (a string,
+    # null, a boolean) takes the checking path, which names what is wrong.
     values = _plain_numbers(features) if plain else None
     return _shaped(values if values is not None else _numbers(features), example_shape)
+
+
+def _plain(body: bytes) -> bool:
+    """Whether the body holds nothing but the "features" key, lists and numbers, nested no
+    deeper than MAX_NESTING: one pass over it, where a JSON boolean, null, string or second key
+    leaves letters or quotes behind. Not a check that it is valid JSON (the parser is that)."""
+    rest = body.translate(None, _NUMBER_BYTES)
+    if not (rest.startswith(_PLAIN_HEAD) and rest.endswith(b"}")):
+        return False
+    brackets = rest[len(_PLAIN_HEAD):-1]
+    if brackets.strip(b"[]"):  # something but brackets between the key and the closing brace
+        return False
+    if brackets.count(b"[") < MAX_NESTING:  # they cannot nest deeper than they open
+        return True
+    steps = np.where(np.frombuffer(brackets, np.uint8) == ord("["), 1, -1)  # many examples
+    return int(np.cumsum(steps).max()) < MAX_NESTING  # the object's brace is one level more
 
 
 def _plain_numbers(features) -> np.ndarray | None:
@@ -70,18 +90,18 @@ def _plain_numbers(features) -> np.ndarray | None:
     return values if values.size and np.isfinite(values).all() else None
 
 
-def _json(body: bytes):
+def _json(body: bytes, checked_nesting: bool = False):
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise RequestError(400, f"the body is not UTF-8 text: byte {exc.start} cannot be decoded") from None
-    depth = _nesting_over(body, MAX_NESTING)
+    depth = None if checked_nesting else _nesting_over(body, MAX_NESTING)
     if depth is not None:
         raise RequestError(400, f"the body nests arrays or objects {depth} levels deep, deeper than the "
                                 f"{MAX_NESTING} this server reads; features are a list of examples, each "
                                 "nested as one example's shape")
     try:
-        return json.loads(text, parse_constant=_no_constant)
+        return _DECODER.decode(text)
     except json.JSONDecodeError as exc:
         raise RequestError(400, f"the body is not valid JSON: {exc.msg} at line {exc.lineno}, "
                                 f"column {exc.colno}") from None
@@ -129,6 +149,9 @@ def _long_number(body: bytes, limit: int) -> str:
 def _no_constant(name: str):
     # Python's json reads NaN and Infinity; JSON has neither, and a model should not see them.
     raise RequestError(422, f"features hold {name}, which is not a JSON number; send finite numbers")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)  # one for every request: json.loads makes one a call
 
 
 def _numbers(features) -> np.ndarray:
