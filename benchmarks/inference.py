@@ -13,7 +13,12 @@ images). Each contestant answers the same ``--requests`` requests:
   (16 by default) share the requests, each sending its next as soon as the last is
   answered, to a ParallelInference with ``--workers`` replicas;
 - ``ParallelInference batched, <runtime>, 1 client``: the loop's one caller asking a
-  ParallelInference instead of ``model.output``.
+  ParallelInference instead of ``model.output``; with ``--workers`` above 1, as many callers
+  as replicas (``N clients``), each keeping one replica busy;
+- with ``--then REV`` (a git revision of this repository), ``model.output loop at REV``: the same
+  loop run by dl4py as it was at REV, in a process of its own (its ``src`` from ``git archive``)
+  that runs a round when told, so that it takes its turn with the others. ``--then 9e9a5ad``
+  is dl4py before issue 33's inference changes: the loop that issue measured its targets by.
 
 requests/s is requests over the wall time from the first request to the last answer;
 latency is each request's time from call to answer (p50, p99). Contestants run in turn,
@@ -27,21 +32,29 @@ runs ``OVERHEAD_BLOCKS`` cycles, a block of ``OVERHEAD_BLOCK`` calls of each con
 cycle in alternating order; a round's ratio is the median over its cycles of a contestant's
 block time over the raw ``no_grad`` block's, so a burst of other load spoils a cycle, not the
 round. The figure is the median round's (target for ``model.output``: at most 1.1).
-Writes inference-<cpu|gpu>.json and .md to --out.
+Writes inference-<cpu|gpu>[-N-workers].json and .md to --out.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
+import io
+import json
 import os
 import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from _common import device_of, heading, label, machine, parser, seed_lenet, sync, write
+from _common import ROOT, device_of, heading, label, machine, parser, seed_lenet, sync, write
 from dl4py import MnistDataSetIterator, MultiLayerNetwork, ParallelInference
 
 LOOP = "model.output loop"
@@ -115,6 +128,61 @@ def plain_loop(model, x, device):
     return run
 
 
+class LoopAtRevision:
+    """``plain_loop`` run by dl4py as it was at a git revision, in a child process (this
+    script with ``--loop-child``, its ``src`` first on the path) that runs one round per line
+    it reads and answers with the round's figures as one JSON line."""
+
+    def __init__(self, revision: str, requests: int, device: str):
+        self._folder = tempfile.TemporaryDirectory()
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", revision, "src"], capture_output=True, check=True)
+        with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+            tar.extractall(self._folder.name, filter="data")
+        environment = {**os.environ, "PYTHONPATH": str(Path(self._folder.name) / "src")}
+        self._child = subprocess.Popen(
+            [sys.executable, __file__, "--loop-child", "--requests", str(requests), "--device", device],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=environment, cwd=ROOT / "benchmarks")
+        self.version = self._ask("version")["version"]
+
+    def _ask(self, line: str) -> dict:
+        self._child.stdin.write(line + "\n")
+        self._child.stdin.flush()
+        answer = self._child.stdout.readline()
+        if not answer:
+            raise RuntimeError(f"the loop at the old revision ended (exit code {self._child.wait()})")
+        return json.loads(answer)
+
+    def __call__(self):
+        figures = self._ask("run")
+        return figures["seconds"], figures["latencies"], None
+
+    def close(self) -> None:
+        self._child.stdin.close()
+        try:
+            self._child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._child.kill()
+        self._folder.cleanup()
+
+
+def loop_child(requests: int, device) -> None:
+    """The child of ``LoopAtRevision``: dl4py from the path it was given."""
+    import dl4py  # this process's dl4py: the old revision's src, first on its path
+
+    model = MultiLayerNetwork(seed_lenet(), backend="gpu" if device.type == "cuda" else "cpu").init()
+    x = MnistDataSetIterator(requests, train=False, shuffle=False, limit=requests).features
+    run = plain_loop(model, x, device)
+    model.output(x[:64])
+    plain_loop(model, x[:256], device)()
+    for line in sys.stdin:
+        if line.strip() == "version":
+            answer = {"version": str(Path(dl4py.__file__).resolve().parent.parent)}
+        else:
+            seconds, latencies, _ = run()
+            answer = {"seconds": seconds, "latencies": latencies}
+        print(json.dumps(answer), flush=True)
+
+
 def served(model, x, mode, clients, workers, batch_limit, runtime):
     """``clients`` threads sharing the requests, against a fresh ParallelInference."""
     def run():
@@ -149,22 +217,31 @@ def main() -> None:
     p.add_argument("--batch-limit", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--note", default="", help="what the record should say about the machine (other load, ...)")
+    p.add_argument("--then", metavar="REV", help="also the model.output loop of dl4py at this git revision")
+    p.add_argument("--loop-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     device = device_of(args.device)
     requests = args.requests or (400 if args.quick else 4000)
     repeats = 1 if args.quick else args.repeats
+    if args.loop_child:
+        return loop_child(requests, device)
 
     model = MultiLayerNetwork(seed_lenet(), backend="gpu" if device.type == "cuda" else "cpu").init()
     x = MnistDataSetIterator(requests, train=False, shuffle=False, limit=requests).features
     contestants = {LOOP: plain_loop(model, x, device)}
+    then = LoopAtRevision(args.then, requests, args.device) if args.then else None
+    if then is not None:
+        contestants[f"{LOOP} at {args.then}"] = then
     runtimes = ["torch"] + (["onnx"] if device.type == "cpu" and importlib.util.find_spec("onnxruntime") else [])
     for runtime in runtimes:
         for mode in ("batched", "sequential", "inplace") if runtime == "torch" else ("batched", "inplace"):
             contestants[f"ParallelInference {mode}, {runtime}"] = served(
                 model, x, mode, args.clients, args.workers, args.batch_limit, runtime)
-        # What the loop's one caller gets by asking ParallelInference instead of model.output.
-        contestants[f"ParallelInference batched, {runtime}, 1 client"] = served(
-            model, x, "batched", 1, args.workers, args.batch_limit, runtime)
+        # What the loop's caller gets by asking ParallelInference instead of model.output (with
+        # several replicas, as many callers: one keeping each busy).
+        callers = f"{args.workers} clients" if args.workers > 1 else "1 client"
+        contestants[f"ParallelInference batched, {runtime}, {callers}"] = served(
+            model, x, "batched", args.workers, args.workers, args.batch_limit, runtime)
 
     model.output(x[:64])  # warm-up: allocator, kernels
     load_before = list(os.getloadavg())  # other work on the machine shows in the tails
@@ -173,9 +250,13 @@ def main() -> None:
     # (on a loaded machine up to 0.1 s each): warm the loop before any round is timed.
     plain_loop(model, x[:256], device)()
     rounds = {name: [] for name in contestants}
-    for _ in range(repeats):
-        for name, run in contestants.items():
-            rounds[name].append(run())
+    try:
+        for _ in range(repeats):
+            for name, run in contestants.items():
+                rounds[name].append(run())
+    finally:
+        if then is not None:
+            then.close()
 
     figures = {}
     for name, runs in rounds.items():
@@ -192,7 +273,7 @@ def main() -> None:
         "benchmark": "inference", **record, "quick": args.quick, "model": "seed LeNet (examples/lenet_mnist.yaml)",
         "requests": requests, "clients": args.clients, "workers": args.workers, "batch_limit": args.batch_limit,
         "repeats": repeats, "load_average_before": load_before, "load_average_after": list(os.getloadavg()),
-        "note": args.note, "single_image_overhead": overhead,
+        "note": args.note, "then": args.then, "single_image_overhead": overhead,
         "results": figures,
         "speedup_over_loop": {k: v["requests_per_second"] / base for k, v in figures.items()},
         "median_round_seconds": {k: statistics.median(v["round_seconds"]) for k, v in figures.items()},
@@ -225,7 +306,8 @@ def main() -> None:
         f"Median of {repeats} interleaved round(s); latency from call to answer. "
         f"Load average (1 min) before and after: {load_before[0]:.2f}, {result['load_average_after'][0]:.2f}.",
     ]
-    write(args.out, f"inference-{label(device)}", result, lines)
+    name = f"inference-{label(device)}" + (f"-{args.workers}-workers" if args.workers > 1 else "")
+    write(args.out, name, result, lines)
 
 
 if __name__ == "__main__":

@@ -208,6 +208,24 @@ def test_a_short_lone_request_runs_in_its_callers_thread_and_a_long_one_is_queue
     assert [name for name, _ in recorder.passes] == ["dl4py-inference-0"] * 3  # 0: never in the caller's
 
 
+class DeviceLost(torch.nn.Module):
+    def forward(self, x):
+        raise RuntimeError("the device was lost")
+
+
+def test_a_pass_failing_in_the_callers_thread_reaches_the_caller_and_is_counted(trained_on):
+    model, x, _ = trained_on("cpu")
+    with ParallelInference(model, workers=1, runtime="torch") as inference:
+        inference.output(x[:1])  # measured: the next short requests run in the caller's thread
+        inference.replicas[0].module = DeviceLost()
+        with pytest.raises(RuntimeError, match="the device was lost"):
+            inference.output(x[:1])
+        future = inference.submit(x[:1])
+        assert future.done() and isinstance(future.exception(), RuntimeError), future
+        stats = inference.stats()
+    assert stats["failed"] == 2 and stats["requests"] == 1, stats
+
+
 @on_devices
 def test_a_malformed_request_fails_alone_and_the_batch_it_met_is_answered(trained_on, device):
     model, x, expected = trained_on(device)

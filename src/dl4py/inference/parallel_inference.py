@@ -109,48 +109,76 @@ class ParallelInference:
         """Predictions for ``features`` (``[n, ...]``, numpy or tensor, or any data ``output``
         takes); safe to call from many threads at once. DataError for features that do not
         fit the network; InferenceError when the queue stays full or this is closed."""
-        return self.submit(features).result()
+        x = self._checked(features)
+        if self._runs_here(x):  # as submit, without a Future to make, fill and wait on
+            predictions = self._run_here(x)
+            if predictions is not None:
+                return _as_model_returns(self._signature, predictions)
+            return self._queued(x).result()
+        return self._submit_checked(x).result()
 
     def submit(self, features) -> Future:
         """``output(features)`` without waiting for it: a ``concurrent.futures.Future`` of the
         answer (``asyncio.wrap_future`` awaits it in an event loop). The request is checked and
         queued before this returns, so DataError and a full queue's InferenceError are raised
         here; in the inplace mode the caller's thread runs the replica, and the future is done."""
+        return self._submit_checked(self._checked(features))
+
+    def _checked(self, features) -> torch.Tensor:
         if self._closed:
             raise InferenceError("ParallelInference is closed: it takes no more requests")
         x = _features(self.model, self._signature, features)
         self.model.check_features(x, "ParallelInference.output(features)")
+        return x
+
+    def _submit_checked(self, x: torch.Tensor) -> Future:
         answer: Future = Future()
         if x.shape[0] == 0:  # what Model.output gives for no examples
             answer.set_result(torch.empty(0, device=self.model.backend.device))
         elif self._pool is not None:
             answer.set_result(_as_model_returns(self._signature, self._inplace(x)))
-        elif self._stats.short(x.shape[0]) and not len(self._queue) and self._run_here(x, answer):
-            pass  # answered in this thread
+        elif self._runs_here(x):
+            try:
+                predictions = self._run_here(x)
+            except BaseException as error:  # noqa: BLE001 - the caller gets it, as from a replica's thread
+                answer.set_exception(error)
+                return answer
+            if predictions is None:
+                return self._queued(x)
+            answer.set_result(_as_model_returns(self._signature, predictions))
         else:
-            request = Request(x)
-            self._queue.put(request, self.queue_timeout)
-            if len(self._signature.outputs) == 1:
-                return request.future  # its rows are the answer as they are
-            request.future.add_done_callback(lambda done: _pass_on(done, answer, self._signature))
+            return self._queued(x)
         return answer
 
-    def _run_here(self, x: torch.Tensor, answer: Future) -> bool:
-        """Run ``x`` on a free replica in this thread, its predictions (or error) into
-        ``answer``; False when every replica is busy."""
+    def _runs_here(self, x: torch.Tensor) -> bool:
+        """Whether to try ``x`` in the caller's thread: replicas in their own threads, a pass
+        measured to be short, and nothing queued that it would overtake."""
+        return self._pool is None and x.shape[0] > 0 and self._stats.short(x.shape[0]) and not len(self._queue)
+
+    def _run_here(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``x``'s predictions from a free replica, run in this thread; None when every replica
+        is busy. A failing pass is counted and raised."""
         for replica in self.replicas:
             start = time.perf_counter()
             try:
                 predictions = replica.try_predict(x)
-            except BaseException as error:  # noqa: BLE001 - the caller gets it, as from a replica's thread
+            except BaseException:
                 self._stats.failed_one()
-                answer.set_exception(error)
-                return True
+                raise
             if predictions is not None:
                 self._stats.ran([x.shape[0]], time.perf_counter() - start)
-                answer.set_result(_as_model_returns(self._signature, predictions))
-                return True
-        return False
+                return predictions
+        return None
+
+    def _queued(self, x: torch.Tensor) -> Future:
+        """The future of ``x``'s answer from the replicas' threads, which merge what waits."""
+        request = Request(x)
+        self._queue.put(request, self.queue_timeout)
+        if len(self._signature.outputs) == 1:
+            return request.future  # its rows are the answer as they are
+        answer: Future = Future()
+        request.future.add_done_callback(lambda done: _pass_on(done, answer, self._signature))
+        return answer
 
     def _inplace(self, x: torch.Tensor) -> torch.Tensor:
         replica = self._pool.borrow(self.queue_timeout)
