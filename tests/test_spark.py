@@ -175,6 +175,42 @@ def test_lenet_trains_alike_under_spawn_torchrun_and_spark(spark, tmp_path, mnis
     assert len(set(accuracies.values())) == 1 and 0 < accuracies["spark"] <= 1, accuracies
 
 
+@pytest.mark.slow
+@needs_java
+@pytest.mark.timeout(600)
+def test_parallelism_auto_trains_under_spawn_torchrun_and_spark_and_records_its_choice(spark, tmp_path, mnist,
+                                                                                         capsys, monkeypatch):
+    """The issue's line: ``parallelism: auto`` trains through every launcher and records its
+    choice. The speeds are a made-up CPU profile saved as this machine's, so that the choice
+    is known; under torchrun rank 0 makes it and the other rank trains by it."""
+    from dl4py.plan.model import predict
+    from dl4py.plan.profile import default_profile_path, save_profile
+    from test_plan_auto import config_of, fastest_known_to_fit
+    from test_plan_model import device
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    save_profile(device("cpu"), default_profile_path("cpu"))
+    expected = fastest_known_to_fit(predict(config_of(LENET, workers=2), device("cpu"), 2,
+                                            device_memory=device("cpu").memory_bytes))
+    runs = {name: tmp_path / name for name in ("spawn", "torchrun", "spark")}
+    args = ["train", str(LENET), *QUICK, "--parallelism", "auto"]
+    assert run_cli(*args, "--workers", 2, "--output", runs["spawn"]) == 0
+    torchrun = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                               "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "dl4py", *args,
+                               "--output", str(runs["torchrun"])],  # the world: 2 workers
+                              env={**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"},
+                              capture_output=True, text=True, timeout=300)
+    assert torchrun.returncode == 0, torchrun.stderr[-3000:]
+    assert run_cli(*args, "--workers", 2, "--launcher", "spark", "--output", runs["spark"]) == 0
+    capsys.readouterr()
+    for name, run in runs.items():
+        result = json.loads((run / "result.json").read_text())
+        plan = result["plan"]
+        assert result["launcher"] == name and result["status"] == "completed" and result["workers"] == 2, name
+        assert (plan["plan"], plan["workers"], plan["asked"]) == (expected.plan, 2, {"workers": 2, "parallelism": "auto"})
+        assert plan["measured"]["samples_per_second"] == result["train_samples_per_second"] > 0, name
+
+
 def test_cli_launcher_choices_are_checked(tmp_path, capsys):
     out = tmp_path / "run"
     assert run_cli("train", LENET, "--launcher", "torchrun", "--output", out, *QUICK) == 2

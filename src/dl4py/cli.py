@@ -58,14 +58,17 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a network from a run config (YAML or JSON)")
     train.add_argument("config", type=Path)
     train.add_argument("--epochs", type=int, help="training.epochs")
-    train.add_argument("--batch-size", type=_batch_size, help="training.batch_size: a number, or auto (the largest that fits)")
+    train.add_argument("--batch-size", type=_number_or_auto, help="training.batch_size: a number, or auto (the largest that fits)")
     train.add_argument("--backend", choices=["auto", "cpu", "gpu"], help="training.backend")
     train.add_argument("--precision", help="training.precision (float, double, half, bfloat16, mixed-fp16, mixed-bf16)")
-    train.add_argument("--workers", type=int, help="training.workers: > 1 trains data-parallel with a ParallelWrapper")
+    train.add_argument("--workers", type=_number_or_auto,
+                       help="training.workers: > 1 trains in parallel with a ParallelWrapper; auto: as many as the "
+                            "planner finds fastest (docs/plan.md)")
     train.add_argument("--averaging-frequency", type=int, help="training.averaging_frequency (rounds between averages)")
     train.add_argument("--parallelism",
                        help="training.parallelism: data, sharded, tensor or hybrid, or a mapping such as "
-                            "'{kind: data, sync: shared_gradients}' or '{kind: hybrid, tensor_size: 2}'")
+                            "'{kind: data, sync: shared_gradients}' or '{kind: hybrid, tensor_size: 2}'; auto: the "
+                            "planner's choice (docs/plan.md)")
     train.add_argument("--training-mode", help=argparse.SUPPRESS)  # deprecated: --parallelism
     train.add_argument("--accumulate-batches", type=int,
                        help="training.accumulate_batches: batches whose summed gradients make one update")
@@ -259,7 +262,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _batch_size(text: str) -> int | str:
+def _number_or_auto(text: str) -> int | str:
     if text.strip().lower() == "auto":
         return "auto"
     try:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from dl4py.config.parallel import ParallelOptions
+from dl4py.config.parallel import AUTO, ParallelOptions
 from dl4py.errors import ConfigError
 from dl4py.parallel import launched_by_torchrun
 
@@ -31,6 +31,11 @@ class Launcher:
     def rank(self) -> int:
         """This process's rank: torchrun's ``RANK``, else 0 (the only process that writes)."""
         return int(os.environ["RANK"]) if self.name == "torchrun" else 0
+
+    @property
+    def world(self) -> int | None:
+        """The ranks torchrun started (``WORLD_SIZE``); None where dl4py starts them."""
+        return int(os.environ["WORLD_SIZE"]) if self.name == "torchrun" else None
 
 
 def choose_launcher(name: str | None, spark_master: str | None, config):
@@ -54,7 +59,7 @@ def choose_launcher(name: str | None, spark_master: str | None, config):
     training = config.training
     if name == "torchrun":
         world = int(os.environ["WORLD_SIZE"])
-        if training.workers == 1 and world > 1:
+        if training.workers == AUTO or training.workers == 1 and world > 1:
             config = config.with_overrides([f"training.workers={world}"])
         elif training.workers != world:
             raise ConfigError("training.workers", f"is {training.workers} but torchrun started {world} "

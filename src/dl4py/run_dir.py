@@ -74,6 +74,7 @@ class RunRecord:
         self.early_stopping = None
         self.training_started = False
         self.logging = None  # the run's RunLogging (TensorBoard, MLflow), ended however the run ends
+        self.plan_choice = None  # the planner's choice where the config left it the plan (plan/auto.py)
 
     def failed(self, exc: BaseException, fields: dict) -> None:
         """Write ``result.json``: status failed, the reason, ``fields`` (what is known of the
@@ -82,6 +83,8 @@ class RunRecord:
         result = {"status": "failed", "run_dir": str(self.run_dir), "reason": reason, **fields}
         if self.early_stopping is not None:
             result["early_stopping"] = self.early_stopping
+        if self.plan_choice is not None:
+            result["plan"] = self.plan_choice.to_dict()
         result["saved"] = saved_files(self.run_dir)
         try:
             atomic_write_json(self.run_dir / "result.json", result)

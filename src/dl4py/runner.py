@@ -23,7 +23,9 @@ import torch
 
 from dl4py.backend.cuda_environment import environment
 from dl4py.config.graph import example_shape
+from dl4py.backend import resolve_backend
 from dl4py.config.run import DataConfig, RunConfig
+from dl4py.config.schema import to_plain
 from dl4py.run_data import make_iterators, make_validation
 from dl4py.errors import ConfigError, TrainingError
 from dl4py.eval import RegressionEvaluation
@@ -35,6 +37,7 @@ from dl4py.monitor.run_logging import RunLogging, class_fields
 from dl4py.nn.loading import load, network_model
 from dl4py.nn.model_file import read_meta
 from dl4py.parallel import EarlyStoppingParallelTrainer, ParallelWrapper
+from dl4py.plan.auto import PlanChoice, agreed_choice, choose
 from dl4py.resume import check_resume, resumed_message
 from dl4py.run_dir import CHECKPOINT, MODEL, RunRecord, prepare_run_dir, remove_new_run, saved_files
 from dl4py.train.compile_choice import compile_record
@@ -104,9 +107,40 @@ def train_run(
     ``on_run_dir(run_dir)``: called once the run directory is made and locked, before the
     data is read, in the process that writes it (``dl4py train --ui`` shows it there)."""
     launch, config = choose_launcher(launcher, spark_master, config)
+    config, choice = _chosen_plan(config, launch, output, resume)
     if launch.rank != 0:
         return _train_beside_rank0(config, output, resume, config_name, launch)
-    return _train_run(config, output, resume, config_name, progress, launch, on_run_dir)
+    return _train_run(config, output, resume, config_name, progress, launch, on_run_dir, choice)
+
+
+def _chosen_plan(config: RunConfig, launch, output, resume: bool) -> tuple[RunConfig, PlanChoice | None]:
+    """``workers: auto`` and ``parallelism: auto`` replaced by the planner's choice (plan/auto.py),
+    and the choice; a resumed run keeps the one it recorded (its checkpoint is of that plan)."""
+    if not config.training.chooses_plan:
+        return config, None
+    recorded = Path(output) / "config.yaml" if output is not None else None
+    if resume and recorded is not None and recorded.is_file():
+        training = RunConfig.from_file(recorded).training
+        kept = [f"training.workers={training.workers}",
+                f"training.parallelism={json.dumps(to_plain(training.parallelism))}"]
+        return config.with_overrides(kept), _recorded_choice(Path(output))
+    device = resolve_backend(config.training.backend).device
+
+    def make() -> PlanChoice:
+        return choose(config, device, launch.name, world=launch.world)
+
+    choice = agreed_choice(make, launch.rank, config.training.timeout) if launch.name == "torchrun" else make()
+    log.info("dl4py: the planner chose %s on %d worker(s): %s", choice.plan, choice.workers, choice.why)
+    return config.with_overrides(choice.overrides()), choice
+
+
+def _recorded_choice(run_dir: Path) -> PlanChoice | None:
+    """The planner's choice an earlier part of this run recorded in its result.json."""
+    try:
+        recorded = json.loads((run_dir / "result.json").read_text()).get("plan")
+    except (OSError, ValueError):
+        return None
+    return PlanChoice.from_dict({k: v for k, v in recorded.items() if k != "measured"}) if recorded else None
 
 
 def _train_beside_rank0(config: RunConfig, output, resume: bool, config_name: str, launch) -> dict:
@@ -128,10 +162,11 @@ def _train_beside_rank0(config: RunConfig, output, resume: bool, config_name: st
 
 
 def _train_run(config: RunConfig, output, resume: bool, config_name: str, progress, launch,
-               on_run_dir=None) -> dict:
+               on_run_dir=None, choice: PlanChoice | None = None) -> dict:
     started = time.perf_counter()
     run_dir, lock, created = prepare_run_dir(output, resume, config_name)
     record = RunRecord(run_dir, config, started)
+    record.plan_choice = choice
     try:
         if on_run_dir is not None:
             on_run_dir(run_dir)
@@ -243,6 +278,8 @@ def _record_interruption(exc: TrainingInterrupted, record: RunRecord, result: di
     exc.run_dir = record.run_dir  # for the command that continues it
     result.update(result_fields(record.config, record.model, [], None, record.started), status="interrupted",
                   saved=saved_files(record.run_dir))
+    if record.plan_choice is not None:  # a resume trains by the same choice
+        result["plan"] = record.plan_choice.to_dict()
     atomic_write_json(record.run_dir / "result.json", result)
 
 
@@ -263,6 +300,8 @@ def _complete_run(record: RunRecord, data: _RunData, summaries: list, stopping, 
         result.update({k: _json_number(v) for k, v in scores.items()})
     result.update(result_fields(record.config, model, summaries, evaluation, record.started), **trained,
                   history=History(summaries).to_dict(), status="completed")
+    if record.plan_choice is not None:  # the planner's prediction beside what the run measured
+        result["plan"] = record.plan_choice.with_measured(result["train_samples_per_second"])
     atomic_write_json(run_dir / "result.json", result)
     record.logging.finish()  # report.html, MLflow's artifacts and the end of its run
     return result

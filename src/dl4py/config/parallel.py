@@ -28,6 +28,9 @@ log = logging.getLogger("dl4py")
 
 # The plans, in the one vocabulary of the config, the CLI, the trainers and ``dl4py memory``.
 PLANS = ("data", "sharded", "tensor", "hybrid")
+# A run config's word for "the planner chooses" (plan/auto.py): resolved by the runner before
+# any trainer sees the options, which refuse it.
+AUTO = "auto"
 # How the data plan's replicas meet: DL4J's parameter averaging, or the mean gradient every step.
 SYNCS = ("averaging", "shared_gradients")
 # The rank program's names for a plan (ParallelPlan.mode): what its code branches on.
@@ -105,8 +108,11 @@ class ParallelPlan:
 
     def checked(self, where: str = "parallelism") -> "ParallelPlan":
         """The plan, or a ConfigError naming the field that is wrong."""
-        if self.kind not in PLANS:
-            raise ConfigError(where, f"must be one of {', '.join(PLANS)}; got {self.kind!r}{did_you_mean(self.kind, PLANS)}")
+        words = PLANS + (AUTO,)
+        if self.kind not in words:
+            raise ConfigError(where, f"must be one of {', '.join(words)}; got {self.kind!r}{did_you_mean(self.kind, words)}")
+        if self.kind == AUTO and (self.sync != "averaging" or self.tensor_size is not None):
+            raise ConfigError(where, "auto chooses the whole plan: give sync and tensor_size with a plan of your own")
         if self.sync not in SYNCS:
             raise ConfigError(f"{where}.sync", f"must be one of {', '.join(SYNCS)}; got {self.sync!r}{did_you_mean(self.sync, SYNCS)}")
         if self.kind != "data" and self.sync != "averaging":
@@ -196,6 +202,9 @@ class ParallelOptions:
             return f"{where}.{name}" if where else name
 
         plan = ParallelPlan.from_dict(self.parallelism, key("parallelism"))
+        if plan.kind == AUTO:
+            raise ConfigError(key("parallelism"), "auto is chosen by a run (dl4py train, train_run: the planner of "
+                                                  "dl4py plan); a trainer takes a plan: " + ", ".join(PLANS))
         if plan.mode in STEP_MODES:
             # An option that cannot apply is an error, not silently ignored as DL4J did.
             for name, unset in (("averaging_frequency", None), ("average_updaters", None),

@@ -11,7 +11,7 @@ type-checked against the same schema as the file.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Optional
 
@@ -20,7 +20,7 @@ import yaml
 from dl4py.backend.environment_settings import check_setting
 from dl4py.config.graph import GraphConfig, network_from_dict
 from dl4py.config.network import NetworkConfig
-from dl4py.config.parallel import ParallelOptions, ParallelPlan, note_deprecated
+from dl4py.config.parallel import AUTO, ParallelOptions, ParallelPlan, note_deprecated
 from dl4py.config.schema import ConfigBase, TaggedConfig, dataclass_from_dict, did_you_mean, join
 from dl4py.config.yaml_loader import ConfigSyntaxError, load_json, load_yaml
 from dl4py.errors import ConfigError
@@ -212,7 +212,7 @@ class TrainingConfig(ConfigBase):
     batch_size: int | Literal["auto"] = 128  # auto: the largest that fits the device (docs/memory.md)
     backend: Literal["auto", "cpu", "gpu"] = "auto"
     precision: Precision = "float"
-    workers: int = 1  # more than 1: data-parallel training by a ParallelWrapper
+    workers: int | Literal["auto"] = 1  # more than 1: parallel training; auto: the planner's count (docs/plan.md)
     score_every: int = 100  # iterations between score reports (0: never)
     accumulate_batches: int = 1  # batches whose summed gradients make one update (docs/training.md)
     # ParallelWrapper options (training.workers > 1); null = the wrapper's default
@@ -237,13 +237,30 @@ class TrainingConfig(ConfigBase):
         if self.score_every < 0:
             raise ConfigError(join(where, "score_every"), f"must be zero or more, got {self.score_every}")
         checked_batches(self.accumulate_batches, join(where, "accumulate_batches"))
-        if self.workers == 1:  # options of the parallel trainer must not be silently ignored
+        if self.workers == 1 and not self.plan_is_auto:  # parallel options must not be silently ignored
             for name, inert in (("training_mode", None), ("averaging_frequency", None),
                                 ("report_score_after_averaging", False), ("parallelism", None),
                                 ("tensor_parallel_size", None), ("timeout", 300.0), ("threads_per_worker", None)):
                 if getattr(self, name) != inert:
                     raise ConfigError(join(where, name), "applies to parallel training only: set training.workers > 1")
-        self.parallel_options(where)  # the ParallelWrapper's own checks, under this section's keys
+        if self.plan_is_auto and any(getattr(self, name) is not None for name in ("training_mode", "tensor_parallel_size")):
+            raise ConfigError(join(where, "parallelism"), "is auto: leave training_mode and tensor_parallel_size out")
+        # The ParallelWrapper's own checks, under this section's keys; with auto, those of a plan
+        # it may choose (the chosen one is checked again once known).
+        self.parallel_options(where) if not self.chooses_plan else self._as_chosen().parallel_options(where)
+
+    @property
+    def plan_is_auto(self) -> bool:
+        return self.parallelism is not None and self.parallelism.kind == AUTO
+
+    @property
+    def chooses_plan(self) -> bool:
+        """Whether the planner chooses the workers or the plan (plan/auto.py)."""
+        return self.workers == AUTO or self.plan_is_auto
+
+    def _as_chosen(self) -> "TrainingConfig":
+        return replace(self, workers=2 if self.workers in (AUTO, 1) else self.workers,
+                       parallelism=None if self.plan_is_auto else self.parallelism)
 
     def plan(self, where: str = "training") -> ParallelPlan:
         """The plan ``parallelism`` names (the data plan when unset), or the one an earlier
