@@ -5,7 +5,9 @@
 
 The run measures this machine (``measure_profile()``, as ``dl4py plan --profile`` does) once
 before the steps and ``--profiles - 1`` times after (a profile varies on a shared machine), saves
-the profiles beside the results, and ``predict`` gives each plan's step for the same networks,
+the profiles beside the results, and times each network on it (``measure_layers``, as ``dl4py
+plan --measure-layers`` does); ``predict`` gives each plan's step, from the profiles alone and
+with the network's times, for the same networks,
 batch and ranks from each; a row takes the median prediction. The measured side trains each plan
 the way dl4py trains it:
 
@@ -52,6 +54,7 @@ from dl4py.parallel.averaging import (average, mean_over_participants, replica_s
                                       stepped_parameters)
 from dl4py.parallel.threads import worker_threads
 from dl4py.plan import load_profile, measure_profile, predict, save_profile
+from dl4py.plan.layer_times import measure_layers
 from model_parallel import free_port
 from model_parallel import networks as model_parallel_networks
 
@@ -89,7 +92,15 @@ KNOWN_CAUSES = ["", "What the model counts since the first recording, each found
                 "as it is now (7 with the model as first written). Twice in about "
                 "ten profiles the float matrix-product curve stopped after its first point at 4 MFLOP/s (a "
                 "32x32 product timed at oneDNN's first-call 16 ms), which puts any network's prediction "
-                "seconds out; the median outvotes such a profile. `--profile FILE` predicts from a saved one."]
+                "seconds out; the median outvotes such a profile. `--profile FILE` predicts from a saved one.",
+                "",
+                "With the network timed here (the last columns; `plan/layer_times.py`): the whole step of the "
+                "plain network in each layout (its layers, the glue between them, the fused update), each layer "
+                "alone (for the parts a split plan leaves to other ranks), the for-loop update, and FSDP2's own "
+                "work a step (a sharded step on a group of one less the plain one, at one thread) replace the "
+                "curves; the shares of the CPU, the exchanges and the copies are the model's. What remains out "
+                "is the sharded plan on the residual graph (many small units): its ranks wait on each other "
+                "at every unit's gathers, which neither the fitted link latency nor a group of one shows."]
 NEAR = 0.30  # a prediction within 30% of the measurement holds
 FASTEST_MARGIN = 0.10  # a ranking hit: the predicted best is the fastest measured, or within 10% of it
 
@@ -256,12 +267,21 @@ def main() -> None:
         ranks = torch.load(out)
     if not args.profile:
         profiles += [measure_profile("cpu") for _ in range(args.profiles - 1)]
+    # The planner's second answer on the machine at hand: the network's own layers timed here
+    # (dl4py plan --measure-layers), in this process with the whole thread budget.
+    layer_times = {name: measure_layers(configs[name], args.batch) for name in names}
     figures, rounds = {}, {}
     for name in names:
         rounds[name] = {"single": single[name], **ranks[name]}
         measured = {plan: statistics.median(times) for plan, times in rounds[name].items()}
         by_profile = [predict(configs[name], profile, world, batch_size=args.batch) for profile in profiles]
         figures[name] = compare(by_profile, measured, args.batch, world)
+        timed = compare([predict(configs[name], profile, world, batch_size=args.batch,
+                                 layer_times=layer_times[name]) for profile in profiles], measured, args.batch, world)
+        for plan, row in figures[name]["plans"].items():
+            row.update({f"layers_{key}": timed["plans"][plan][key] for key in ("predicted_ms", "ratio", "within")})
+        figures[name]["layers_hit"] = timed["hit"]
+        figures[name]["layers_ranked_first"] = timed["ranked_first"]
         figures[name]["not_admitted"] = {p.plan: p.why_not for p in predictions[name] if not p.admitted}
     record = machine(torch.device("cpu"))
     stem = "plan-cpu-quick" if args.quick else "plan-cpu"
@@ -272,9 +292,13 @@ def main() -> None:
     rows = [row for figure in figures.values() for row in figure["plans"].values()]
     held = sum(row["within"] for row in rows)
     hits = sum(figure["hit"] for figure in figures.values())
+    layers_held = sum(row["layers_within"] for row in rows)
+    layers_hits = sum(figure["layers_hit"] for figure in figures.values())
     result = {"benchmark": "plan", **record, "quick": args.quick, "ranks": world, "batch_per_rank": args.batch,
               "threads_single": threads, "threads_per_rank": args.rank_threads, "steps": args.steps,
               "repeats": args.repeats, "within_30_percent": [held, len(rows)], "ranking_hits": [hits, len(figures)],
+              "with_layers_timed": {"within_30_percent": [layers_held, len(rows)],
+                                    "ranking_hits": [layers_hits, len(figures)]},
               "results": figures, "rounds_s": rounds, "profiles": profile_files,
               "load_average_before": load_before, "load_average_after": list(os.getloadavg())}
     lines = heading(f"`dl4py plan`: predicted against measured step times, {world} CPU ranks over gloo", record,
@@ -283,17 +307,26 @@ def main() -> None:
               f"{threads} threads; ranks: {args.rank_threads} thread(s) each. **{held} of {len(rows)}** predictions "
               f"within 30% of the measurement; the plan ranked first is the fastest measured (or within 10% of it) "
               f"for **{hits} of {len(figures)}** networks. Each prediction is the median of {len(profiles)} "
-              f"profile(s)' predictions (their range in brackets)."]
+              f"profile(s)' predictions (their range in brackets).",
+              "",
+              f"With the network's own layers timed on this machine (`dl4py plan --measure-layers`; the last "
+              f"columns): **{layers_held} of {len(rows)}** within 30%, the plan ranked first the fastest (or "
+              f"within 10%) for **{layers_hits} of {len(figures)}**. The `single` row is then close to a "
+              "measurement of its own; the other rows test the rest of the model (a rank's share of the CPU, the "
+              "exchanges, the copies)."]
     for name, figure in figures.items():
         lines += ["", f"**{name}**, {world} ranks", "",
                   "| plan | predicted ms (compute + exchange) [range] | measured ms | predicted / measured "
                   "| within 30% |"
-                  " predicted samples/s | measured samples/s |", "|---|---|---|---|---|---|---|"]
+                  " predicted samples/s | measured samples/s | layers timed: predicted ms | / measured | within 30% |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {plan} | {r['predicted_ms']:,.1f} ({r['predicted_compute_ms']:,.1f} + "
                   f"{r['predicted_exchange_ms']:,.1f}) [{r['predicted_ms_range'][0]:,.1f}-"
                   f"{r['predicted_ms_range'][1]:,.1f}] | {r['measured_ms']:,.1f} | **{r['ratio']:.2f}** | "
                   f"{'yes' if r['within'] else 'no'} | {r['predicted_samples_per_s']:,.0f} | "
-                  f"{r['measured_samples_per_s']:,.0f} |" for plan, r in figure["plans"].items()]
+                  f"{r['measured_samples_per_s']:,.0f} | {r['layers_predicted_ms']:,.1f} | "
+                  f"**{r['layers_ratio']:.2f}** | {'yes' if r['layers_within'] else 'no'} |"
+                  for plan, r in figure["plans"].items()]
         lines += ["", f"Ranked first by the prediction: `{figure['ranked_first']}`; fastest measured: "
                       f"`{figure['fastest_measured']}`; "
                       + ("the same plan" if figure["ranked_first"] == figure["fastest_measured"] else

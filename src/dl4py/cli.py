@@ -153,6 +153,9 @@ def _parser() -> argparse.ArgumentParser:
                                        "measured profile a plan reads by default")
     plan.add_argument("--budget", type=float, default=60.0, help="seconds --profile may take (default 60)")
     plan.add_argument("--output", help="where --profile saves (default: dl4py's cache folder)")
+    plan.add_argument("--measure-layers", action="store_true",
+                      help="time the network's own layers on this machine's CPU (seconds) and predict with "
+                           "their times in place of the profile's curves")
     plan.add_argument("--json", action="store_true")
 
     sweep = sub.add_parser("sweep", help="run a grid (or random sample) of configs, several processes per device")
@@ -525,8 +528,9 @@ def _memory_device(args):
 
 def _memory_plan(args, config) -> dict:
     """The estimator's options for the plan ``dl4py memory`` answers for: ``--parallelism``,
-    else the config's plan. Sharded: one of ``--workers`` ranks; the data plan (and tensor and
-    hybrid, not modelled per rank yet) a whole replica, as on one device."""
+    else the config's plan. Sharded: one of ``--workers`` ranks; the config's data plan over
+    several workers, one worker (its replica's step and the flat buffer it meets the others
+    in); else (tensor and hybrid, not modelled per rank yet) a whole replica, as on one device."""
     from dl4py.config.parallel import note_deprecated
     from dl4py.errors import ConfigError
 
@@ -536,6 +540,10 @@ def _memory_plan(args, config) -> dict:
     if kind != "sharded":
         if args.workers is not None:
             raise ConfigError("--workers", "applies to --parallelism sharded only")
+        workers = config.training.workers
+        if kind == "data" and args.parallelism is None and isinstance(workers, int) and workers > 1:
+            # the config's data-parallel worker: its step and the flat buffer its replica meets in
+            return {"parallelism": config.training.plan(), "workers": workers}
         return {}
     workers = args.workers if args.workers is not None else config.training.workers
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 2:

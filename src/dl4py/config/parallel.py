@@ -110,7 +110,8 @@ class ParallelPlan:
         """The plan, or a ConfigError naming the field that is wrong."""
         words = PLANS + (AUTO,)
         if self.kind not in words:
-            raise ConfigError(where, f"must be one of {', '.join(words)}; got {self.kind!r}{did_you_mean(self.kind, words)}")
+            # auto is a run config's word (the planner chooses), so not offered to a trainer's caller
+            raise ConfigError(where, f"must be one of {', '.join(PLANS)}; got {self.kind!r}{did_you_mean(self.kind, words)}")
         if self.kind == AUTO and (self.sync != "averaging" or self.tensor_size is not None):
             raise ConfigError(where, "auto chooses the whole plan: give sync and tensor_size with a plan of your own")
         if self.sync not in SYNCS:

@@ -44,9 +44,13 @@ def auto_batch_size(config, device: torch.device, train_examples: int, example_b
     # Never below Keras' default batch, though: a handful of examples a step is its own trouble.
     most_for_updates = max(SMALLEST_AUTO_BATCH, train_examples // (MIN_UPDATES_PER_EPOCH * workers))
 
+    plan = config.training.plan()
+    # A data-parallel worker's replica meets the others in a flat buffer beside its step.
+    exchange = {"parallelism": plan, "workers": workers} if workers > 1 and plan.kind == "data" else {}
+
     def largest_with(data_bytes: int) -> int:
         return max_batch_size(config, budget, config.training.precision, device=device.type, margin=margin,
-                              context=context, data_bytes=data_bytes)
+                              context=context, data_bytes=data_bytes, **exchange)
 
     data_bytes = train_examples * example_bytes if device.type == "cuda" and _data_may_live_on_device() else 0
     largest, data_note = largest_with(data_bytes), ""

@@ -63,10 +63,12 @@ def estimate(config, batch_size: int, precision: str | None = None, updater: Upd
         print(report.total_bytes / 2**20, "MiB")
 
     ``parallelism`` names the plan (``config.parallel.ParallelPlan``'s words) whose one rank
-    is estimated: ``"data"``, a whole replica (one device's step); ``"sharded"`` with
+    is estimated: ``"data"``, a whole replica (one device's step; with ``workers`` above 1, one
+    worker's, whose replicas meet in a flat buffer: ``_exchange``); ``"sharded"`` with
     ``workers=N``, one of N ranks training sharded (FSDP2), each on a batch of ``batch_size``
     (``memory.sharded``).
     """
+    sync = parallelism.sync if isinstance(parallelism, ParallelPlan) else "averaging"
     if isinstance(parallelism, ParallelPlan):
         parallelism = parallelism.kind
     if parallelism == "single":
@@ -94,7 +96,11 @@ def estimate(config, batch_size: int, precision: str | None = None, updater: Upd
     if training:
         step, saved = replay.forward(graph, batch_size, sizes, timeline)
         replay.backward(step, in_place_accumulation=not as_measured)
+        if workers > 1 and sync == "shared_gradients":
+            _exchange(timeline, graph.ops, updater_bytes, sizes, sync)
         replay.update(graph.ops, updater, implementation, sizes, timeline)
+        if workers > 1 and sync == "averaging":
+            _exchange(timeline, graph.ops, updater_bytes, sizes, sync)
     else:
         replay.inference(graph, batch_size, sizes, timeline)
         saved = {}
@@ -122,6 +128,26 @@ def _resident_bytes(ops: list[Op], updater: Updater, sizes: StepSizes, training:
     module_bytes = params * sizes.param + buffer_bytes(ops, sizes.param)
     state_bytes = updater.state_copies * _trained_elements(ops) * sizes.state if training else 0
     return module_bytes + master, state_bytes
+
+
+def _exchange(timeline: Timeline, ops: list[Op], updater_bytes: int, sizes: StepSizes, sync: str) -> None:
+    """Where a data-parallel worker's replica meets the others (``parallel/averaging.py``): one
+    flat buffer of what it averages, made by ``torch.cat`` and dropped after the all-reduce.
+    ``averaging``, after the update: the stepped parameters, the floating buffers and the
+    updater state (averaged by default); ``shared_gradients``, between the backward pass and
+    the update: every stepped parameter's gradient, a frozen one's made as zeros and kept. A
+    float32 buffer (float64 for double), whatever the parameters' own type (masters, 16-bit)."""
+    wide = 8 if sizes.state == 8 else 4
+    params = _parameter_elements(ops)
+    if sync == "shared_gradients":
+        frozen = params - _trained_elements(ops)
+        timeline.alloc("gradients", frozen * sizes.state, "exchange, zero gradients of frozen parameters")
+        flat = params * wide
+    else:
+        floating_buffers = sum(op.param_elements for op in ops if op.name == "batch_norm")  # running mean, variance
+        flat = (params + floating_buffers) * wide + updater_bytes // sizes.state * wide
+    timeline.alloc("workspace", flat, f"exchange ({sync}): the replicas' flat buffer")
+    timeline.free("workspace", flat)
 
 
 def _parameter_elements(ops: list[Op]) -> int:

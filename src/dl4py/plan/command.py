@@ -10,6 +10,7 @@ from dl4py.config import RunConfig
 from dl4py.errors import ConfigError
 from dl4py.memory.capacity import parse_size
 from dl4py.plan.builtin_profiles import PUBLISHED, builtin_profile
+from dl4py.plan.layer_times import LayerTimes, measure_layers
 from dl4py.plan.measure import measure_profile
 from dl4py.plan.model import predict
 from dl4py.plan.profile import DeviceProfile, default_profile_path, load_profile, save_profile
@@ -27,8 +28,12 @@ def run(args) -> int:
     config = RunConfig.from_file(args.config)
     profile, source = _profile(args)
     memory = parse_size(args.device_memory, "--device-memory") if args.device_memory else profile.memory_bytes
+    layer_times = _layer_times(args, config, profile)
     predictions = predict(config, profile, args.devices, batch_size=args.batch_size, precision=args.precision,
-                          device_memory=memory, averaging_frequency=config.training.averaging_frequency or 1)
+                          device_memory=memory, averaging_frequency=config.training.averaging_frequency or 1,
+                          layer_times=layer_times)
+    if layer_times is not None:
+        source += f"; the network's layers timed here at batch {layer_times.batch_size}"
     work = step_work(config, predictions[0].batch_per_rank, args.precision, device=profile.kind)
     chosen, why = recommend(predictions, work)
     holds = capacity(work, memory, config.network.updater, args.devices)
@@ -42,6 +47,19 @@ def run(args) -> int:
     print(f"\nrecommended: {chosen.plan} on {chosen.workers} device(s): {why}")
     print(f"capacity: {holds}")
     return 0
+
+
+def _layer_times(args, config, profile: DeviceProfile) -> LayerTimes | None:
+    """``--measure-layers``: the network's layers timed on this CPU, for a CPU profile."""
+    if not args.measure_layers:
+        return None
+    if profile.kind != "cpu":
+        raise ConfigError("--measure-layers", f"times the layers on this machine's CPU; the profile is of "
+                                              f"{profile.kind} ({profile.name}): leave it out there")
+    batch = args.batch_size if args.batch_size is not None else config.training.batch_size
+    if not isinstance(batch, int):
+        raise ConfigError("--batch-size", f"the config's batch size is {batch!r}: give a number to time the layers at")
+    return measure_layers(config, batch, args.precision)
 
 
 def _measure(args) -> int:

@@ -36,15 +36,18 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from dl4py.config.graph import GraphConfig
+from dl4py.config.parallel import ParallelPlan
 from dl4py.errors import ConfigError
 from dl4py.memory.capacity import max_batch_size
 from dl4py.memory.estimate import estimate
 from dl4py.memory.sharded import sharding_layout
 from dl4py.memory.step_sizes import network_of
+from dl4py.plan.layer_times import LayerTimes
 from dl4py.plan.profile import DeviceProfile
 from dl4py.plan.work import LayerWork, StepWork, step_work
 
 PLAN_NAMES = ("single", "data-averaging", "data-shared", "sharded", "tensor", "hybrid", "experiments")
+DATA_SYNC = {"data-averaging": "averaging", "data-shared": "shared_gradients"}  # ParallelPlan's sync
 # The profile's precision for a policy's arithmetic; "double" has no measured rate: float's, halved.
 COMPUTE_PRECISION = {"float": "float", "double": "float", "half": "half", "mixed-fp16": "half",
                      "bfloat16": "bfloat16", "mixed-bf16": "bfloat16"}
@@ -106,9 +109,12 @@ class Prediction:
 
 def predict(config, profile: DeviceProfile, workers: int, batch_size: int | None = None,
             precision: str | None = None, device_memory: int | None = None,
-            averaging_frequency: int = 1, average_updaters: bool = True) -> list[Prediction]:
+            averaging_frequency: int = 1, average_updaters: bool = True,
+            layer_times: LayerTimes | None = None) -> list[Prediction]:
     """Every plan of ``PLAN_NAMES`` for ``config`` (a run config, network or graph config) on
-    ``workers`` devices like ``profile``'s (on a CPU profile: ranks sharing that machine)."""
+    ``workers`` devices like ``profile``'s (on a CPU profile: ranks sharing that machine).
+    ``layer_times``: the network's own layers and update timed on this machine at this batch
+    (``plan.layer_times``), used in place of the curves for what they cover."""
     network, run_precision = network_of(config)
     training = getattr(config, "training", None)
     batch = batch_size if batch_size is not None else getattr(training, "batch_size", None)
@@ -118,7 +124,9 @@ def predict(config, profile: DeviceProfile, workers: int, batch_size: int | None
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ConfigError("devices", f"must be a whole number of at least 1, got {workers!r}")
     precision = precision or run_precision or "float"
-    cost = _Cost(network, profile, precision, workers)
+    if layer_times is not None and layer_times.batch_size != batch:
+        raise ConfigError("layer_times", f"were timed at batch {layer_times.batch_size}, not {batch}")
+    cost = _Cost(network, profile, precision, workers, layer_times)
     plans = [cost.single(batch)]
     if workers > 1:
         plans += [cost.data(batch, averaging_frequency, average_updaters), cost.data(batch, 1, False, shared=True),
@@ -129,8 +137,13 @@ def predict(config, profile: DeviceProfile, workers: int, batch_size: int | None
 class _Cost:
     """The time parts every plan is made of, for one network, profile and precision."""
 
-    def __init__(self, network, profile: DeviceProfile, precision: str, workers: int):
+    def __init__(self, network, profile: DeviceProfile, precision: str, workers: int,
+                 layer_times: LayerTimes | None = None):
         self.network, self.profile, self.precision, self.workers = network, profile, precision, workers
+        self.layer_times = layer_times
+        # The layout one device and a data worker train convolutions in where channels_last is
+        # auto (nn/memory_format.py: float and double); the distributed plans keep NCHW.
+        self.layout = "nhwc" if precision in ("float", "double") else "nchw"
         self.rate_precision = COMPUTE_PRECISION.get(precision, "float")
         if self.rate_precision not in profile.matmul:
             self.rate_precision = "float"  # a profile measured in float only (a quick CPU one)
@@ -144,7 +157,9 @@ class _Cost:
         self.share = 1.0 / workers if profile.kind == "cpu" else 1.0
 
     def work(self, batch: int) -> StepWork:
-        return step_work(self.network, batch, self.precision, device=self.profile.kind)
+        work = step_work(self.network, batch, self.precision, device=self.profile.kind)
+        self.work_layers = work.layers
+        return work
 
     def compute(self, layers, share: float | None = None, flop_scale: dict[int, float] | None = None,
                 whole_gradients: bool = True, distributed: bool = False,
@@ -158,17 +173,51 @@ class _Cost:
         update_passes = self.for_loop_passes if distributed else self.update_passes
         flop_scale = flop_scale or {}
         held = flop_scale if held is None else held
+        timed = self.layer_times
+        layout = "nchw" if distributed else self.layout
+        if timed is not None and timed.step.get(layout) is not None:
+            return self._timed_step(timed, layers, layout, flop_scale, held, distributed) / (
+                share if share is not None else self.share)
+        update_s = timed.update.get("loop" if distributed else "fused") if timed is not None else None
+        trained = sum(layer.parameters for layer in self.work_layers if not layer.frozen) or 1
         seconds = 0.0
         for layer in layers:
             scale, part = flop_scale.get(layer.index, 1.0), held.get(layer.index, 1.0)
-            seconds += scale * (self._flop_seconds(layer, layer.forward_flops) + self._flop_seconds(
-                layer, layer.backward_flops, calls=2) + layer.bytes / self.profile.memory_bandwidth)
-            seconds += layer.kernels * self.profile.overhead_s
+            measured = timed.of(layer.index, layout) if timed is not None else None
+            if measured is not None:  # its own module, run here: its kernels and fresh buffers included
+                seconds += scale * sum(measured)
+            else:
+                seconds += scale * (self._flop_seconds(layer, layer.forward_flops) + self._flop_seconds(
+                    layer, layer.backward_flops, calls=2) + layer.bytes / self.profile.memory_bandwidth)
+                seconds += layer.kernels * self.profile.overhead_s
             if not layer.frozen:
-                seconds += part * update_passes * layer.parameter_bytes / self.profile.memory_bandwidth
-                if whole_gradients:  # its gradient, made anew every step
+                if update_s is not None:  # the network's measured step, by the layer's share of it
+                    seconds += part * update_s * layer.parameters / trained
+                else:
+                    seconds += part * update_passes * layer.parameter_bytes / self.profile.memory_bandwidth
+                if whole_gradients and measured is None:  # its gradient, made anew every step
                     seconds += self.fresh_pages_seconds(part * layer.parameter_bytes)
         return seconds / (share if share is not None else self.share)
+
+    def _timed_step(self, timed: LayerTimes, layers, layout: str, flop_scale: dict, held: dict,
+                    distributed: bool) -> float:
+        """The whole network's measured step, less what this rank does not do of each layer
+        (the share of a split layer it leaves to the others; more where it does several
+        batches' work) and its update (the for-loop kernel's for the distributed plans)."""
+        trained = sum(layer.parameters for layer in layers if not layer.frozen) or 1
+        fused, loop = timed.update.get("fused", 0.0), timed.update.get("loop", 0.0)
+        seconds = timed.step[layout]
+        for layer in layers:
+            scale, part = flop_scale.get(layer.index, 1.0), held.get(layer.index, 1.0)
+            measured = timed.of(layer.index, layout)
+            if measured is not None:
+                seconds -= (1 - scale) * sum(measured)
+            if not layer.frozen:
+                weight = layer.parameters / trained
+                seconds -= (1 - part) * fused * weight
+                if distributed:
+                    seconds += part * (loop - fused) * weight
+        return max(seconds, 0.0)
 
     def fresh_pages_seconds(self, nbytes: float) -> float:
         """Faulting in a CPU buffer of ``nbytes`` allocated anew each step (``FRESH_PAGES_FROM``),
@@ -252,6 +301,9 @@ class _Cost:
             # gradients into the reduce-scatter's input (its chunk_cat).
             copied += 2 * 2 * (part + self.workers * part) + (2 * self.workers * part if trains else 0)
         seconds += copied / self.profile.memory_bandwidth / self.share
+        if self.layer_times is not None and self.layer_times.sharded_overhead_s is not None:
+            # FSDP2's hooks, copies and DTensor update, measured (their Python runs on one thread a rank)
+            seconds += self.layer_times.sharded_overhead_s
         return Prediction("sharded", self.workers, True, batch_per_rank=batch, samples_per_step=batch * self.workers,
                           compute_s=self.compute(work.layers, whole_gradients=False, distributed=True),
                           communication_s=seconds, moved_bytes=moved)
@@ -301,9 +353,9 @@ class _Cost:
         seconds = (self.exchange("all_gather", gathered) * 2  # features forward, their gradient's rows back
                    + self.exchange("all_reduce", conv_bytes) + pair_seconds)
         return Prediction("hybrid", self.workers, True, batch_per_rank=batch, samples_per_step=batch * self.workers,
-                          compute_s=self.compute(before, distributed=True)
-                          # the update is of the parameters a rank holds, whatever its batch
-                          + self.compute(after, flop_scale=dense_scale, distributed=True, held=split),
+                          # the layers before the dense ones as they are; the update is of the
+                          # parameters a rank holds, whatever its batch
+                          compute_s=self.compute(work.layers, flop_scale=dense_scale, distributed=True, held=split),
                           communication_s=seconds, moved_bytes=int(2 * gathered + conv_bytes + pair_bytes))
 
     def experiments(self, batch: int) -> Prediction:
@@ -380,7 +432,11 @@ def _estimate_options(plan: str, workers: int) -> dict | None:
     estimate for the plan (tensor, hybrid)."""
     if plan in ("tensor", "hybrid"):
         return None
-    return {"parallelism": "sharded", "workers": workers} if plan == "sharded" else {}
+    if plan == "sharded":
+        return {"parallelism": "sharded", "workers": workers}
+    if plan in DATA_SYNC:  # a worker's replica and the flat buffer its exchange makes
+        return {"parallelism": ParallelPlan("data", sync=DATA_SYNC[plan]), "workers": workers}
+    return {}
 
 
 def _peak(plan: str, network, batch: int, workers: int, precision: str, device: str) -> int | None:

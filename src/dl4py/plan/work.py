@@ -165,7 +165,7 @@ def step_work(config, batch_size: int, precision: str | None = None, device: str
     is_graph = isinstance(network, GraphConfig)
     graph = graph_step(network, kernels) if is_graph else chain_graph(network, kernels)
     sizes = StepSizes(policy, graph, kernels)
-    parts = _graph_parts(network) if is_graph else _chain_parts(network)
+    parts = layer_parts(network)
     needs_gradient = {"input": False}  # does this result take a gradient in the backward pass?
     needs_gradient.update({name: False for name in getattr(network, "inputs", ())})
     node_bytes, node_kernels = _node_work(graph, batch_size, sizes)
@@ -195,6 +195,12 @@ def step_work(config, batch_size: int, precision: str | None = None, device: str
 def _steps_of(network, shape: Shape) -> int:
     """The length a sequence of unknown length is counted at (1 for data that is no sequence)."""
     return steps(network) if None in shape.dims else 1
+
+
+def layer_parts(network) -> list[_Part]:
+    """Each layer or vertex of ``network`` as the step runs it, its module on the ``meta``
+    device (``plan.layer_times`` makes real ones of them to time)."""
+    return _graph_parts(network) if isinstance(network, GraphConfig) else _chain_parts(network)
 
 
 def _chain_parts(network) -> list[_Part]:

@@ -106,9 +106,10 @@ def make_train_step(model, gradient_hook=None) -> Callable[[torch.Tensor, torch.
         with precision.forward_context():
             outputs = module(features)
         loss = loss_fn(precision.for_loss(outputs), labels)  # outside autocast, as the policy's own
-        precision.backward(loss if weight is None else loss * weight)
         if observe is not None:
             observe(outputs, labels)
+        del outputs  # as in _plain_step: held through backward, the outputs would raise its peak
+        precision.backward(loss if weight is None else loss * weight)
         return loss.detach()
 
     def update(took_part):

@@ -1,0 +1,185 @@
+"""The network's own layers timed on this machine: ``dl4py plan --measure-layers``.
+
+A profile's curves give a layer's time from its FLOPs and its kind, which is what a planner
+for a device one does not have can know. On the device at hand the network's own layers can
+simply be run: a convolution's rate depends on its shape as much as on its FLOPs (on the
+benchmark CPU, LeNet's one-channel first convolution's backward ran at 36 GFLOP/s where the
+profile's 3x3 convolutions of as many FLOPs ran at 90-450), and on the layout dl4py trains it
+in. ``measure_layers`` times each layer's module alone, forward and forward-and-backward, at
+the batch of the plan, in both layouts where it holds 2-D convolutions (channels-last, as a
+single device or a data-parallel worker trains it where channels_last is auto; contiguous, as
+the sharded, tensor and hybrid plans do), and the optimizer's step over the network's
+parameters as dl4py makes it (fused or foreach; the for-loop kernel of the distributed plans).
+``predict(..., layer_times=...)`` then takes these times in place of the curves' for those
+parts; the rest of the model (shares of a CPU, exchanges, copies) is unchanged.
+
+Times are this process's, at its thread count; a layer of a graph without a module (an
+element-wise vertex) keeps the bytes model.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from dl4py.config.graph import GraphConfig, example_shape
+from dl4py.memory.step_sizes import network_of
+from dl4py.nn.loading import network_model
+from dl4py.parallel.sharding import shard_replica
+from dl4py.plan.work import layer_parts
+
+REPEATS = 7
+WARM_UP_S = 0.3  # oneDNN's first calls of a shape are far slower than the rest (plan/measure.py)
+MIN_WARM_UP_CALLS = 3
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    """Seconds of each layer's forward and backward by layout ("nhwc", "nchw"; a layer without
+    2-D convolutions has the same in both), and of the update ("fused" or foreach as dl4py
+    steps one device or a data worker, "loop" as the distributed plans step)."""
+
+    batch_size: int
+    threads: int
+    forward: dict[str, dict[int, float]] = field(default_factory=dict)
+    backward: dict[str, dict[int, float]] = field(default_factory=dict)
+    update: dict[str, float] = field(default_factory=dict)
+    # FSDP2's own work a step on one rank (its hooks and copies, the DTensor update), measured at
+    # one thread on a group of one; None where not measured (a process group exists already).
+    sharded_overhead_s: float | None = None
+    # The whole training step of the plain network by layout: its layers, the glue between them
+    # (a graph's vertices, the loss) and the fused update.
+    step: dict[str, float] = field(default_factory=dict)
+
+    def of(self, index: int, layout: str) -> tuple[float, float] | None:
+        """(forward, backward) seconds of layer ``index`` in ``layout``; None if not timed."""
+        if index not in self.forward.get(layout, {}):
+            return None
+        return self.forward[layout][index], self.backward[layout][index]
+
+
+def measure_layers(config, batch_size: int, precision: str | None = None) -> LayerTimes:
+    """Time ``config``'s layers (a run config, network or graph config) on this CPU at
+    ``batch_size``, each alone: the median of REPEATS calls after WARM_UP."""
+    network, run_precision = network_of(config)
+    precision = precision or run_precision or "float"
+    forward, backward = {}, {}
+    for layout in ("nhwc", "nchw"):
+        forward[layout], backward[layout] = {}, {}
+        for part in layer_parts(network):
+            if part.module is None:
+                continue
+            module = _on_cpu(part.module, layout)
+            features = _batch(part, batch_size, network, layout)
+            forward_s, both_s = _time_part(module, features)
+            forward[layout][part.index] = forward_s
+            backward[layout][part.index] = max(both_s - forward_s, 0.0)
+    return LayerTimes(batch_size, torch.get_num_threads(), forward, backward,
+                      _update_times(network, precision, batch_size), _sharded_overhead(network, precision, batch_size),
+                      _step_times(network, precision, batch_size))
+
+
+def _step_times(network, precision: str, batch_size: int) -> dict[str, float]:
+    features = torch.rand(batch_size, *example_shape(network))
+    labels = torch.zeros(batch_size, dtype=torch.long)
+    times = {}
+    for layout in ("nhwc", "nchw"):
+        model = network_model(network, backend="cpu", precision=precision).init()
+        if layout == "nchw":
+            model.use_contiguous_layout()
+        times[layout] = _median_seconds(lambda: model.train_step(features, labels))
+    return times
+
+
+def _on_cpu(meta_module: torch.nn.Module, layout: str) -> torch.nn.Module:
+    """The part's module with real (random) weights on the CPU, its 4-D ones in ``layout``."""
+    module = meta_module.to_empty(device="cpu")
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.normal_(0.0, 0.05)
+        for buffer in module.buffers():  # running statistics: finite, as a trained network's
+            buffer.fill_(1) if buffer.is_floating_point() else buffer.zero_()
+    if layout == "nhwc":
+        module = module.to(memory_format=torch.channels_last)
+    return module.train()
+
+
+def _batch(part, batch_size: int, network, layout: str) -> torch.Tensor:
+    dims = tuple(1 if d is None else d for d in part.input.dims)  # a sequence of unknown length: 1 step
+    features = torch.randn(batch_size, *dims)
+    if layout == "nhwc" and features.dim() == 4:
+        features = features.contiguous(memory_format=torch.channels_last)
+    reads_gradient = part.reads != ("input",) and not (isinstance(network, GraphConfig)
+                                                       and all(r in network.inputs for r in part.reads))
+    return features.requires_grad_(reads_gradient)
+
+
+def _time_part(module: torch.nn.Module, features: torch.Tensor) -> tuple[float, float]:
+    """Median seconds of the forward, and of the forward and backward together."""
+    trained = [p for p in module.parameters() if p.requires_grad]
+    wanted = trained + ([features] if features.requires_grad else [])
+
+    def forward():
+        return module(features)
+
+    def both():
+        result = module(features)
+        if wanted and result.requires_grad:
+            torch.autograd.grad(result, wanted, torch.ones_like(result))
+
+    return _median_seconds(forward), _median_seconds(both)
+
+
+def _update_times(network, precision: str, batch_size: int) -> dict[str, float]:
+    """The optimizer step over the whole network as dl4py makes it, and its for-loop kernel,
+    after one step on two examples (the gradients and the updater's state exist)."""
+    model = network_model(network, backend="cpu", precision=precision).init()
+    model.train_step(torch.rand(2, *example_shape(network)), torch.zeros(2, dtype=torch.long))
+    times = {"fused": _median_seconds(model.optimizer.step)}
+    loop = model.make_optimizer(loop=True)
+    loop.load_state_dict(model.optimizer.state_dict())
+    times["loop"] = _median_seconds(loop.step)
+    return times
+
+
+def _sharded_overhead(network, precision: str, batch_size: int) -> float | None:
+    """A sharded replica's step on a group of one rank less the same network's plain step in
+    the contiguous layout, both at one thread: what FSDP2 adds to each rank's step besides
+    its collectives (which a group of one does not wait on)."""
+    if dist.is_initialized():  # inside a job of its own: the planner does not join it
+        return None
+    threads = torch.get_num_threads()
+    features = torch.rand(batch_size, *example_shape(network))
+    labels = torch.zeros(batch_size, dtype=torch.long)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.set_num_threads(1)
+        plain = network_model(network, backend="cpu", precision=precision).init()
+        plain.use_contiguous_layout()
+        sharded = network_model(network, backend="cpu", precision=precision).init()
+        sharded.use_contiguous_layout()
+        shard_replica(sharded, init_device_mesh("cpu", (1,)))
+        times = {name: _median_seconds(lambda model=model: model.train_step(features, labels))
+                 for name, model in (("plain", plain), ("sharded", sharded))}
+    finally:
+        torch.set_num_threads(threads)
+        dist.destroy_process_group()
+    return max(times["sharded"] - times["plain"], 0.0)
+
+
+def _median_seconds(run) -> float:
+    warm_until, calls = time.monotonic() + WARM_UP_S, 0
+    while calls < MIN_WARM_UP_CALLS or time.monotonic() < warm_until:
+        run()
+        calls += 1
+    samples = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
