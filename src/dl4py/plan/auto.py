@@ -83,12 +83,6 @@ class PlanChoice:
         return cls(**data)
 
 
-def asks_for_plan(config) -> bool:
-    """Whether the run config leaves the workers or the plan to the planner."""
-    training = config.training
-    return training.workers == AUTO or (training.parallelism is not None and training.parallelism.kind == AUTO)
-
-
 def choose(config, device: torch.device, launcher: str, world: int | None = None,
            profile: tuple[DeviceProfile, str] | None = None) -> PlanChoice:
     """The plan and worker count to train ``config`` by on ``device`` (its kind: every GPU of
@@ -121,7 +115,7 @@ def choose(config, device: torch.device, launcher: str, world: int | None = None
     single_allowed = workers_auto or counts == [1]
     candidates = [p for p in weighed if _trainable(p, names, single_allowed, fits_known)]
     if not candidates:
-        return _nothing_fits(weighed, counts)
+        raise _nothing_fits(weighed, counts)
     best = max(candidates, key=lambda p: p.samples_per_second)
     single = next((p for p in candidates if p.plan == "single"), None)
     if single is not None and best is not single and best.samples_per_second < WORTH_IT * single.samples_per_second:
@@ -233,12 +227,12 @@ def _why(best: Prediction, single: Prediction | None, candidates: list[Predictio
     return f"{best.plan} on {best.workers} device(s) is predicted fastest ({best.samples_per_second:,.0f}/s{runner_up})"
 
 
-def _nothing_fits(weighed: list[Prediction], counts: list[int]) -> PlanChoice:
+def _nothing_fits(weighed: list[Prediction], counts: list[int]) -> ConfigError:
     admitted = [p for p in weighed if p.admitted and p.plan != "experiments"]
     shown = ", ".join(f"{p.plan} on {p.workers}" for p in admitted) or "none admitted"
-    raise ConfigError("training.parallelism", f"auto: no plan for {', '.join(map(str, counts))} device(s) is known "
-                                              f"to fit this device's memory ({shown}); give a smaller batch, a lower "
-                                              "precision, or more devices")
+    return ConfigError("training.parallelism", f"auto: no plan for {', '.join(map(str, counts))} device(s) is known "
+                                               f"to fit this device's memory ({shown}); give a smaller batch, a lower "
+                                               "precision, or more devices")
 
 
 def _figures(prediction: Prediction) -> dict:

@@ -56,6 +56,11 @@ class LayerTimes:
     # (a graph's vertices, the loss) and the fused update.
     step: dict[str, float] = field(default_factory=dict)
 
+    def __post_init__(self):
+        missing = {"nhwc", "nchw"} - set(self.step)
+        if missing:
+            raise ValueError(f"LayerTimes needs the whole step timed in both layouts; missing {sorted(missing)}")
+
     def of(self, index: int, layout: str) -> tuple[float, float] | None:
         """(forward, backward) seconds of layer ``index`` in ``layout``; None if not timed."""
         if index not in self.forward.get(layout, {}):

@@ -157,9 +157,7 @@ class _Cost:
         self.share = 1.0 / workers if profile.kind == "cpu" else 1.0
 
     def work(self, batch: int) -> StepWork:
-        work = step_work(self.network, batch, self.precision, device=self.profile.kind)
-        self.work_layers = work.layers
-        return work
+        return step_work(self.network, batch, self.precision, device=self.profile.kind)
 
     def compute(self, layers, share: float | None = None, flop_scale: dict[int, float] | None = None,
                 whole_gradients: bool = True, distributed: bool = False,
@@ -173,29 +171,18 @@ class _Cost:
         update_passes = self.for_loop_passes if distributed else self.update_passes
         flop_scale = flop_scale or {}
         held = flop_scale if held is None else held
-        timed = self.layer_times
-        layout = "nchw" if distributed else self.layout
-        if timed is not None and timed.step.get(layout) is not None:
-            return self._timed_step(timed, layers, layout, flop_scale, held, distributed) / (
-                share if share is not None else self.share)
-        update_s = timed.update.get("loop" if distributed else "fused") if timed is not None else None
-        trained = sum(layer.parameters for layer in self.work_layers if not layer.frozen) or 1
+        if self.layer_times is not None:  # the network timed here: its step, not the curves
+            return self._timed_step(self.layer_times, layers, "nchw" if distributed else self.layout,
+                                    flop_scale, held, distributed) / (share if share is not None else self.share)
         seconds = 0.0
         for layer in layers:
             scale, part = flop_scale.get(layer.index, 1.0), held.get(layer.index, 1.0)
-            measured = timed.of(layer.index, layout) if timed is not None else None
-            if measured is not None:  # its own module, run here: its kernels and fresh buffers included
-                seconds += scale * sum(measured)
-            else:
-                seconds += scale * (self._flop_seconds(layer, layer.forward_flops) + self._flop_seconds(
-                    layer, layer.backward_flops, calls=2) + layer.bytes / self.profile.memory_bandwidth)
-                seconds += layer.kernels * self.profile.overhead_s
+            seconds += scale * (self._flop_seconds(layer, layer.forward_flops) + self._flop_seconds(
+                layer, layer.backward_flops, calls=2) + layer.bytes / self.profile.memory_bandwidth)
+            seconds += layer.kernels * self.profile.overhead_s
             if not layer.frozen:
-                if update_s is not None:  # the network's measured step, by the layer's share of it
-                    seconds += part * update_s * layer.parameters / trained
-                else:
-                    seconds += part * update_passes * layer.parameter_bytes / self.profile.memory_bandwidth
-                if whole_gradients and measured is None:  # its gradient, made anew every step
+                seconds += part * update_passes * layer.parameter_bytes / self.profile.memory_bandwidth
+                if whole_gradients:  # its gradient, made anew every step
                     seconds += self.fresh_pages_seconds(part * layer.parameter_bytes)
         return seconds / (share if share is not None else self.share)
 
@@ -203,7 +190,8 @@ class _Cost:
                     distributed: bool) -> float:
         """The whole network's measured step, less what this rank does not do of each layer
         (the share of a split layer it leaves to the others; more where it does several
-        batches' work) and its update (the for-loop kernel's for the distributed plans)."""
+        batches' work) and its update (the for-loop kernel's for the distributed plans; for the
+        sharded plan the DTensor one is FSDP2's measured work, which the caller adds)."""
         trained = sum(layer.parameters for layer in layers if not layer.frozen) or 1
         fused, loop = timed.update.get("fused", 0.0), timed.update.get("loop", 0.0)
         seconds = timed.step[layout]
