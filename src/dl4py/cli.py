@@ -1,8 +1,8 @@
 """The ``dl4py`` command: a thin layer over RunConfig, train_run, load and Evaluation.
 
     dl4py train CONFIG.yaml [--epochs N] [--batch-size N] [--backend auto|cpu|gpu]
-                            [--precision P] [--workers N] [--averaging-frequency K]
-                            [--training-mode averaging|shared_gradients|sharded|tensor|hybrid] [--accumulate-batches K]
+                            [--precision P] [--workers N|auto] [--averaging-frequency K]
+                            [--parallelism data|sharded|tensor|hybrid|auto] [--accumulate-batches K]
                             [--launcher spawn|torchrun|spark] [--spark-master URL]
                             [--output DIR] [--resume] [--set key=value ...]
                             [--verbose 0|1|2 | --no-progress] [--ui [--ui-port N] [--ui-keep]]
@@ -16,6 +16,9 @@
     dl4py memory CONFIG.yaml [--batch-size N] [--precision P] [--inference]
                              [--parallelism data|sharded --workers N]
                              [--device-memory 80GB | --device cuda:0|cpu] [--json]
+    dl4py plan CONFIG.yaml --devices N [--device-memory 24GiB] [--batch-size N] [--precision P]
+                           [--profile FILE|GPU] [--measure-layers] [--json]
+    dl4py plan --profile [--device cpu|cuda] [--budget S] [--output FILE]
     dl4py sweep CONFIG.yaml --grid key=v1,v2,... [--random N --range key=lo:hi[:log]]
                             [--sampler grid|random|tpe --trials N --prune median|none]
                             [--devices all|cpu|0,1] [--per-device K] [--metric M]
