@@ -31,7 +31,8 @@ is the plan's examples per round (W·B; tensor B) over that time. Networks: the 
 784-4000-4000-10 (examples/mlp_4000.yaml), LeNet (examples/lenet_mnist.yaml), LeNet with a
 2048-2048 dense head (``model_parallel.py``'s ``hybrid-net``) and the residual graph
 (examples/resnet_mnist.yaml; data plans and sharded only). Data: synthetic MNIST-shaped batches.
-Writes plan-cpu.json and .md (and the profiles, plan-cpu-profile-N.json) to --out.
+Writes plan-cpu.json and .md (and the profiles, plan-cpu-profile-N.json) to --out; with --ranks other
+than 2, plan-cpu-R-ranks.*.
 """
 
 from __future__ import annotations
@@ -284,7 +285,7 @@ def main() -> None:
         figures[name]["layers_ranked_first"] = timed["ranked_first"]
         figures[name]["not_admitted"] = {p.plan: p.why_not for p in predictions[name] if not p.admitted}
     record = machine(torch.device("cpu"))
-    stem = "plan-cpu-quick" if args.quick else "plan-cpu"
+    stem = ("plan-cpu-quick" if args.quick else "plan-cpu") + (f"-{world}-ranks" if world != 2 else "")
     args.out.mkdir(parents=True, exist_ok=True)
     profile_files = [f"{stem}-profile-{index}.json" for index in range(1, len(profiles) + 1)]
     for profile, file in zip(profiles, profile_files):
