@@ -59,7 +59,7 @@ def choose_launcher(name: str | None, spark_master: str | None, config):
     training = config.training
     if name == "torchrun":
         world = int(os.environ["WORLD_SIZE"])
-        if training.workers == AUTO or training.workers == 1 and world > 1:
+        if training.workers == AUTO or (training.workers == 1 and world > 1):
             config = config.with_overrides([f"training.workers={world}"])
         elif training.workers != world:
             raise ConfigError("training.workers", f"is {training.workers} but torchrun started {world} "
