@@ -5,16 +5,18 @@ for a device one does not have can know. On the device at hand the network's own
 simply be run: a convolution's rate depends on its shape as much as on its FLOPs (on the
 benchmark CPU, LeNet's one-channel first convolution's backward ran at 36 GFLOP/s where the
 profile's 3x3 convolutions of as many FLOPs ran at 90-450), and on the layout dl4py trains it
-in. ``measure_layers`` times each layer's module alone, forward and forward-and-backward, at
-the batch of the plan, in both layouts where it holds 2-D convolutions (channels-last, as a
-single device or a data-parallel worker trains it where channels_last is auto; contiguous, as
-the sharded, tensor and hybrid plans do), and the optimizer's step over the network's
-parameters as dl4py makes it (fused or foreach; the for-loop kernel of the distributed plans).
-``predict(..., layer_times=...)`` then takes these times in place of the curves' for those
-parts; the rest of the model (shares of a CPU, exchanges, copies) is unchanged.
+in. ``measure_layers`` times, at the batch of the plan and in both layouts (channels-last,
+as one device or a data-parallel worker trains a convolutional network where channels_last is
+auto; contiguous, as the sharded, tensor and hybrid plans do): the plain network's whole
+training step (its layers, the glue between them, the loss, the fused update), each layer's
+module alone (forward, and forward and backward), the optimizer's step as dl4py makes it and
+its for-loop kernel (the distributed plans'), and FSDP2's own work a step (a sharded step on a
+group of one less the plain step, at one thread). ``predict(..., layer_times=...)`` then starts
+each plan from the whole step and takes off or adds what the plan changes (the share of a split
+layer another rank does, the update's kernel, FSDP2's work); the shares of a CPU, the exchanges
+and the copies stay the model's.
 
-Times are this process's, at its thread count; a layer of a graph without a module (an
-element-wise vertex) keeps the bytes model.
+Times are this process's, at its thread count.
 """
 
 from __future__ import annotations
@@ -69,8 +71,8 @@ class LayerTimes:
 
 
 def measure_layers(config, batch_size: int, precision: str | None = None) -> LayerTimes:
-    """Time ``config``'s layers (a run config, network or graph config) on this CPU at
-    ``batch_size``, each alone: the median of REPEATS calls after WARM_UP."""
+    """Time ``config`` (a run config, network or graph config) on this CPU at ``batch_size``:
+    each figure the median of REPEATS calls after a warm-up of WARM_UP_S."""
     network, run_precision = network_of(config)
     precision = precision or run_precision or "float"
     forward, backward = {}, {}
