@@ -157,8 +157,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--budget", type=float, default=60.0, help="seconds --profile may take (default 60)")
     plan.add_argument("--output", help="where --profile saves (default: dl4py's cache folder)")
     plan.add_argument("--measure-layers", action="store_true",
-                      help="time the network's own layers on this machine's CPU (seconds) and predict with "
-                           "their times in place of the profile's curves")
+                      help="time the network itself on this machine's device of the profile's kind (seconds) "
+                           "and predict from its measured step in place of the profile's curves")
     plan.add_argument("--json", action="store_true")
 
     sweep = sub.add_parser("sweep", help="run a grid (or random sample) of configs, several processes per device")

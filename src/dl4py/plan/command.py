@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from dl4py.config import RunConfig
 from dl4py.errors import ConfigError
 from dl4py.memory.capacity import parse_size
@@ -50,16 +52,16 @@ def run(args) -> int:
 
 
 def _layer_times(args, config, profile: DeviceProfile) -> LayerTimes | None:
-    """``--measure-layers``: the network's layers timed on this CPU, for a CPU profile."""
+    """``--measure-layers``: the network timed on this machine's device of the profile's kind."""
     if not args.measure_layers:
         return None
-    if profile.kind != "cpu":
-        raise ConfigError("--measure-layers", f"times the layers on this machine's CPU; the profile is of "
-                                              f"{profile.kind} ({profile.name}): leave it out there")
+    if profile.kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--measure-layers", f"times the network on this machine, which has no CUDA device; "
+                                              f"the profile is of one ({profile.name}): leave it out there")
     batch = args.batch_size if args.batch_size is not None else config.training.batch_size
     if not isinstance(batch, int):
         raise ConfigError("--batch-size", f"the config's batch size is {batch!r}: give a number to time the layers at")
-    return measure_layers(config, batch, args.precision)
+    return measure_layers(config, batch, args.precision, device=args.device or profile.kind)
 
 
 def _measure(args) -> int:

@@ -70,42 +70,54 @@ class LayerTimes:
         return self.forward[layout][index], self.backward[layout][index]
 
 
-def measure_layers(config, batch_size: int, precision: str | None = None) -> LayerTimes:
-    """Time ``config`` (a run config, network or graph config) on this CPU at ``batch_size``:
-    each figure the median of REPEATS calls after a warm-up of WARM_UP_S."""
+def measure_layers(config, batch_size: int, precision: str | None = None, device: str = "cpu") -> LayerTimes:
+    """Time ``config`` (a run config, network or graph config) on ``device`` (the CPU, or
+    ``cuda[:N]``) at ``batch_size``: each figure the median of REPEATS calls after a warm-up
+    of WARM_UP_S, the device synchronized around each call."""
     network, run_precision = network_of(config)
     precision = precision or run_precision or "float"
+    target = torch.device(device)
     forward, backward = {}, {}
     for layout in ("nhwc", "nchw"):
         forward[layout], backward[layout] = {}, {}
         for part in layer_parts(network):
             if part.module is None:
                 continue
-            module = _on_cpu(part.module, layout)
-            features = _batch(part, batch_size, network, layout)
-            forward_s, both_s = _time_part(module, features)
+            module = _on_device(part.module, layout, target)
+            features = _batch(part, batch_size, network, layout, target)
+            forward_s, both_s = _time_part(module, features, target)
             forward[layout][part.index] = forward_s
             backward[layout][part.index] = max(both_s - forward_s, 0.0)
     return LayerTimes(batch_size, torch.get_num_threads(), forward, backward,
-                      _update_times(network, precision, batch_size), _sharded_overhead(network, precision, batch_size),
-                      _step_times(network, precision, batch_size))
+                      _update_times(network, precision, target),
+                      _sharded_overhead(network, precision, batch_size, target),
+                      _step_times(network, precision, batch_size, target))
 
 
-def _step_times(network, precision: str, batch_size: int) -> dict[str, float]:
-    features = torch.rand(batch_size, *example_shape(network))
-    labels = torch.zeros(batch_size, dtype=torch.long)
+def _model(network, precision: str, target: torch.device, contiguous: bool):
+    model = network_model(network, backend="gpu" if target.type == "cuda" else "cpu", precision=precision).init()
+    if contiguous:
+        model.use_contiguous_layout()
+    return model
+
+
+def _step_batch(network, batch_size: int, target: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.rand(batch_size, *example_shape(network), device=target),
+            torch.zeros(batch_size, dtype=torch.long, device=target))
+
+
+def _step_times(network, precision: str, batch_size: int, target: torch.device) -> dict[str, float]:
+    features, labels = _step_batch(network, batch_size, target)
     times = {}
     for layout in ("nhwc", "nchw"):
-        model = network_model(network, backend="cpu", precision=precision).init()
-        if layout == "nchw":
-            model.use_contiguous_layout()
-        times[layout] = _median_seconds(lambda: model.train_step(features, labels))
+        model = _model(network, precision, target, contiguous=layout == "nchw")
+        times[layout] = _median_seconds(lambda: model.train_step(features, labels), target)
     return times
 
 
-def _on_cpu(meta_module: torch.nn.Module, layout: str) -> torch.nn.Module:
-    """The part's module with real (random) weights on the CPU, its 4-D ones in ``layout``."""
-    module = meta_module.to_empty(device="cpu")
+def _on_device(meta_module: torch.nn.Module, layout: str, target: torch.device) -> torch.nn.Module:
+    """The part's module with real (random) weights on ``target``, its 4-D ones in ``layout``."""
+    module = meta_module.to_empty(device=target)
     with torch.no_grad():
         for parameter in module.parameters():
             parameter.normal_(0.0, 0.05)
@@ -116,9 +128,9 @@ def _on_cpu(meta_module: torch.nn.Module, layout: str) -> torch.nn.Module:
     return module.train()
 
 
-def _batch(part, batch_size: int, network, layout: str) -> torch.Tensor:
+def _batch(part, batch_size: int, network, layout: str, target: torch.device) -> torch.Tensor:
     dims = tuple(1 if d is None else d for d in part.input.dims)  # a sequence of unknown length: 1 step
-    features = torch.randn(batch_size, *dims)
+    features = torch.randn(batch_size, *dims, device=target)
     if layout == "nhwc" and features.dim() == 4:
         features = features.contiguous(memory_format=torch.channels_last)
     reads_gradient = part.reads != ("input",) and not (isinstance(network, GraphConfig)
@@ -126,7 +138,7 @@ def _batch(part, batch_size: int, network, layout: str) -> torch.Tensor:
     return features.requires_grad_(reads_gradient)
 
 
-def _time_part(module: torch.nn.Module, features: torch.Tensor) -> tuple[float, float]:
+def _time_part(module: torch.nn.Module, features: torch.Tensor, target: torch.device) -> tuple[float, float]:
     """Median seconds of the forward, and of the forward and backward together."""
     trained = [p for p in module.parameters() if p.requires_grad]
     wanted = trained + ([features] if features.requires_grad else [])
@@ -139,39 +151,37 @@ def _time_part(module: torch.nn.Module, features: torch.Tensor) -> tuple[float, 
         if wanted and result.requires_grad:
             torch.autograd.grad(result, wanted, torch.ones_like(result))
 
-    return _median_seconds(forward), _median_seconds(both)
+    return _median_seconds(forward, target), _median_seconds(both, target)
 
 
-def _update_times(network, precision: str, batch_size: int) -> dict[str, float]:
+def _update_times(network, precision: str, target: torch.device) -> dict[str, float]:
     """The optimizer step over the whole network as dl4py makes it, and its for-loop kernel,
     after one step on two examples (the gradients and the updater's state exist)."""
-    model = network_model(network, backend="cpu", precision=precision).init()
-    model.train_step(torch.rand(2, *example_shape(network)), torch.zeros(2, dtype=torch.long))
-    times = {"fused": _median_seconds(model.optimizer.step)}
+    model = _model(network, precision, target, contiguous=False)
+    model.train_step(*_step_batch(network, 2, target))
+    times = {"fused": _median_seconds(model.optimizer.step, target)}
     loop = model.make_optimizer(loop=True)
     loop.load_state_dict(model.optimizer.state_dict())
-    times["loop"] = _median_seconds(loop.step)
+    times["loop"] = _median_seconds(loop.step, target)
     return times
 
 
-def _sharded_overhead(network, precision: str, batch_size: int) -> float | None:
+def _sharded_overhead(network, precision: str, batch_size: int, target: torch.device) -> float | None:
     """A sharded replica's step on a group of one rank less the same network's plain step in
-    the contiguous layout, both at one thread: what FSDP2 adds to each rank's step besides
-    its collectives (which a group of one does not wait on)."""
+    the contiguous layout, both at one CPU thread (a rank's Python): what FSDP2 adds to each
+    rank's step besides its collectives (which a group of one does not wait on)."""
     if dist.is_initialized():  # inside a job of its own: the planner does not join it
         return None
     threads = torch.get_num_threads()
-    features = torch.rand(batch_size, *example_shape(network))
-    labels = torch.zeros(batch_size, dtype=torch.long)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    features, labels = _step_batch(network, batch_size, target)
+    backend = "nccl" if target.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
         torch.set_num_threads(1)
-        plain = network_model(network, backend="cpu", precision=precision).init()
-        plain.use_contiguous_layout()
-        sharded = network_model(network, backend="cpu", precision=precision).init()
-        sharded.use_contiguous_layout()
-        shard_replica(sharded, init_device_mesh("cpu", (1,)))
-        times = {name: _median_seconds(lambda model=model: model.train_step(features, labels))
+        plain = _model(network, precision, target, contiguous=True)
+        sharded = _model(network, precision, target, contiguous=True)
+        shard_replica(sharded, init_device_mesh(target.type, (1,)))
+        times = {name: _median_seconds(lambda model=model: model.train_step(features, labels), target)
                  for name, model in (("plain", plain), ("sharded", sharded))}
     finally:
         torch.set_num_threads(threads)
@@ -179,14 +189,20 @@ def _sharded_overhead(network, precision: str, batch_size: int) -> float | None:
     return max(times["sharded"] - times["plain"], 0.0)
 
 
-def _median_seconds(run) -> float:
+def _median_seconds(run, target: torch.device) -> float:
+    def sync():
+        if target.type == "cuda":
+            torch.cuda.synchronize(target)
+
     warm_until, calls = time.monotonic() + WARM_UP_S, 0
     while calls < MIN_WARM_UP_CALLS or time.monotonic() < warm_until:
         run()
         calls += 1
     samples = []
     for _ in range(REPEATS):
+        sync()
         start = time.perf_counter()
         run()
+        sync()
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
