@@ -162,6 +162,7 @@ class LoopAtRevision:
             self._child.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self._child.kill()
+            self._child.wait()
         self._folder.cleanup()
 
 

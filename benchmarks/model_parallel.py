@@ -35,6 +35,7 @@ import torch.multiprocessing as mp
 
 from _common import device_of, heading, label, machine, parser, write
 from dl4py import MultiLayerNetwork, NetworkConfig, RunConfig
+from dl4py.nn.loading import network_model
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANS = ("data", "sharded", "tensor", "hybrid")
@@ -66,7 +67,8 @@ def batch(config: NetworkConfig, size: int, seed: int):
 
 
 def converted(config, plan: str, device: torch.device):
-    """A replica as the rank program makes it for ``plan``."""
+    """A replica as the rank program makes it for ``plan`` (data: shared gradients), a network
+    or a graph (benchmarks/plan.py's residual graph)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from dl4py.parallel.averaging import share_gradients, stepped_parameters
@@ -74,7 +76,7 @@ def converted(config, plan: str, device: torch.device):
     from dl4py.parallel.tensor_parallel import apply_tensor_parallel
 
     backend = "gpu" if device.type == "cuda" else "cpu"
-    model = MultiLayerNetwork(config, backend=backend).init()
+    model = network_model(config, backend=backend).init()
     model.module.train()
     if plan == "data":
         params = stepped_parameters(model)

@@ -51,11 +51,11 @@ from _common import ROOT, heading, machine, parser, write
 from dl4py import RunConfig
 from dl4py.config.graph import example_shape
 from dl4py.nn.loading import network_model
-from dl4py.parallel.averaging import (average, mean_over_participants, replica_state, share_gradients,
-                                      stepped_parameters)
+from dl4py.parallel.averaging import average, mean_over_participants, replica_state
 from dl4py.parallel.threads import worker_threads
 from dl4py.plan import load_profile, measure_profile, predict, save_profile
 from dl4py.plan.layer_times import measure_layers
+from model_parallel import converted as model_parallel_converted
 from model_parallel import free_port
 from model_parallel import networks as model_parallel_networks
 
@@ -126,27 +126,13 @@ def synthetic_batch(config, size: int, seed: int):
 
 
 def converted(config, plan: str):
-    """A CPU replica as the rank program makes it for ``plan``; the step runs ``after_step``."""
-    from torch.distributed.device_mesh import init_device_mesh  # lazy: only the rank processes need it
-
-    from dl4py.parallel.sharding import shard_replica
-    from dl4py.parallel.tensor_parallel import apply_tensor_parallel
-
-    model = network_model(config, backend="cpu").init()
-    model.module.train()
+    """A CPU replica as the rank program makes it for ``plan`` (``model_parallel.py``'s, whose
+    data plan shares gradients); the averaging and experiments replicas are the plain model."""
     if plan in ("data-averaging", "experiments"):
+        model = network_model(config, backend="cpu").init()
+        model.module.train()
         return model
-    if plan == "data-shared":
-        params = stepped_parameters(model)
-        model.share_gradients(lambda took_part: share_gradients(params, took_part))
-        return model
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    if plan == "sharded":
-        shard_replica(model, mesh)
-        return model
-    layout = apply_tensor_parallel(model, mesh, hybrid=plan == "hybrid")
-    model.share_gradients(layout.gradient_hook)
-    return model
+    return model_parallel_converted(config, "data" if plan == "data-shared" else plan, torch.device("cpu"))
 
 
 def one_round(model, plan: str, features, labels) -> None:

@@ -140,7 +140,7 @@ def _recorded_choice(run_dir: Path) -> PlanChoice | None:
         recorded = json.loads((run_dir / "result.json").read_text()).get("plan")
     except (OSError, ValueError):
         return None
-    return PlanChoice.from_dict({k: v for k, v in recorded.items() if k != "measured"}) if recorded else None
+    return PlanChoice.from_dict(recorded) if recorded else None
 
 
 def _train_beside_rank0(config: RunConfig, output, resume: bool, config_name: str, launch) -> dict:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 from dl4py.config.parallel import AUTO, ParallelPlan
 from dl4py.errors import ConfigError
@@ -47,7 +48,8 @@ STORE_KEY = "dl4py-plan/choice"
 
 @dataclass
 class PlanChoice:
-    """What the planner chose for a run and why; ``measured`` once the run has trained."""
+    """What the planner chose for a run and why (``with_measured`` adds, once the run has
+    trained, its measured throughput to the record)."""
 
     asked: dict  # the config's workers and parallelism as given ("auto" where asked)
     plan: str  # the planner's name: single, data-averaging, data-shared, sharded, tensor, hybrid
@@ -56,7 +58,6 @@ class PlanChoice:
     profile: str  # where the speeds came from
     predicted: dict  # the chosen plan's step time, samples/s, peak per device
     candidates: list = field(default_factory=list)  # every plan weighed: name, workers, samples/s, fits
-    measured: dict | None = None
 
     def overrides(self) -> list[str]:
         """The config assignments that train this choice."""
@@ -75,12 +76,13 @@ class PlanChoice:
 
     def to_dict(self) -> dict:
         return {"asked": self.asked, "plan": self.plan, "workers": self.workers, "why": self.why,
-                "profile": self.profile, "predicted": self.predicted, "candidates": self.candidates,
-                **({"measured": self.measured} if self.measured is not None else {})}
+                "profile": self.profile, "predicted": self.predicted, "candidates": self.candidates}
 
     @classmethod
     def from_dict(cls, data: dict) -> "PlanChoice":
-        return cls(**data)
+        """The choice a record holds (``to_dict``'s or ``with_measured``'s: a run's measured
+        figures are its own, not the choice's)."""
+        return cls(**{key: value for key, value in data.items() if key != "measured"})
 
 
 def choose(config, device: torch.device, launcher: str, world: int | None = None,
@@ -153,8 +155,6 @@ def agreed_choice(make, rank: int, timeout: float) -> PlanChoice:
     """Under torchrun: rank 0's ``make()``, put in the rendezvous store; every other rank
     reads it there (waiting up to ``timeout`` seconds), so that all train by one choice."""
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    import torch.distributed as dist  # lazy: only torchrun's ranks reach the store
-
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"{STORE_KEY}/{restart}",
                              dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout)))

@@ -141,6 +141,7 @@ class _Cost:
                  layer_times: LayerTimes | None = None):
         self.network, self.profile, self.precision, self.workers = network, profile, precision, workers
         self.layer_times = layer_times
+        self._works: dict[int, StepWork] = {}
         # The layout one device and a data worker train convolutions in where channels_last is
         # auto (nn/memory_format.py: float and double); the distributed plans keep NCHW.
         self.layout = "nhwc" if precision in ("float", "double") else "nchw"
@@ -157,7 +158,11 @@ class _Cost:
         self.share = 1.0 / workers if profile.kind == "cpu" else 1.0
 
     def work(self, batch: int) -> StepWork:
-        return step_work(self.network, batch, self.precision, device=self.profile.kind)
+        """The step's work at ``batch``, counted once for every plan that asks (each counts the
+        network's FLOPs on the meta device)."""
+        if batch not in self._works:
+            self._works[batch] = step_work(self.network, batch, self.precision, device=self.profile.kind)
+        return self._works[batch]
 
     def compute(self, layers, share: float | None = None, flop_scale: dict[int, float] | None = None,
                 whole_gradients: bool = True, distributed: bool = False,
