@@ -70,15 +70,20 @@ KNOWN_CAUSES = ["", "What the model counts since the first recording, each found
                 "DTensors with (Nesterov with L2: 14 passes over the parameters, against the fused kernel's 5); "
                 "gloo's reduce-scatter, which reduces the whole unit (it took twice an all-reduce's time on the "
                 "same 77 MB); FSDP2's copies in and out of each collective; and the hybrid's update, of the "
-                "parameters a rank holds (it counted the replicated layers' W times, the split pairs' whole).",
+                "parameters a rank holds (it counted the replicated layers' W times, the split pairs' whole); "
+                "and what a collective costs inside a sharded step, which the profile now measures with small "
+                "FSDP2 units (`plan/sharded_probe.py`): on this machine 1.2-1.6 ms among 2 ranks and 4.3-5.1 ms "
+                "among 4, where a link timed back to back gave 0.24 ms (the ranks arrive apart, and each "
+                "wake-up of gloo's threads waits for a turn on a busy core). The links are measured among as "
+                "many ranks as the run has (4 ranks' all-reduce: 5.4-6.4 ms of latency, not the 2-rank 0.26-1.0 ms scaled).",
                 "",
                 "Not modelled, so these rows stay under-predicted:", "",
                 "- The distributed plans lose dl4py's channels-last layout on a CPU: FSDP2's gathered "
                 "convolution weights (sharded) and the replicated DTensor ones (tensor, hybrid) are NCHW, so "
                 "the convolutions' outputs are too, and LeNet's convolution backward takes 11.0 ms a call "
                 "against 4.2, its max-pooling 4.1 ms against 0.7. A defect to fix in the plans rather than a "
-                "cost to predict; with the per-collective waits of FSDP2 on two ranks sharing two cores, it "
-                "is most of the sharded rows' miss on the convolutional networks.",
+                "cost to predict; from the profile alone it is most of what the sharded rows of the "
+                "convolutional networks still miss (with the network timed, the contiguous layout is timed too).",
                 "- Small networks (LeNet, the residual graph) run below the profile's convolution curve: "
                 "it times convolutions by FLOPs per call, and LeNet's first (one input channel, 5x5) runs "
                 "far below a many-channel one of the same FLOPs; the Python cost of a step (the optimizer's "
@@ -89,8 +94,8 @@ KNOWN_CAUSES = ["", "What the model counts since the first recording, each found
                 "22.5 ms. With one profile a run, the count of rows within 30% was 17 of 23 in one recording "
                 "and 11 in the next with the same model; hence the median of several profiles, which narrows "
                 "the prediction but not the measurement's own drift (LeNet's and the graph's rounds moved by "
-                "up to 20% between recordings), so the count still ranged from 11 to 17 of 23 with the model "
-                "as it is now (7 with the model as first written). Twice in about "
+                "up to 20% between recordings), so the count ranged from 11 to 17 of 23 before the sharded "
+                "step's collectives were measured (7 with the model as first written). Twice in about "
                 "ten profiles the float matrix-product curve stopped after its first point at 4 MFLOP/s (a "
                 "32x32 product timed at oneDNN's first-call 16 ms), which puts any network's prediction "
                 "seconds out; the median outvotes such a profile. `--profile FILE` predicts from a saved one.",
@@ -99,9 +104,7 @@ KNOWN_CAUSES = ["", "What the model counts since the first recording, each found
                 "plain network in each layout (its layers, the glue between them, the fused update), each layer "
                 "alone (for the parts a split plan leaves to other ranks), the for-loop update, and FSDP2's own "
                 "work a step (a sharded step on a group of one less the plain one, at one thread) replace the "
-                "curves; the shares of the CPU, the exchanges and the copies are the model's. What remains out "
-                "is the sharded plan on the residual graph (many small units): its ranks wait on each other "
-                "at every unit's gathers, which neither the fitted link latency nor a group of one shows."]
+                "curves; the shares of the CPU, the exchanges and the copies are the model's."]
 NEAR = 0.30  # a prediction within 30% of the measurement holds
 FASTEST_MARGIN = 0.10  # a ranking hit: the predicted best is the fastest measured, or within 10% of it
 
@@ -243,7 +246,7 @@ def main() -> None:
     # rate among ranks that share the machine); the full measurement in --quick too: a quick
     # profile's rates are not a machine's. One profile varies on a shared machine: several,
     # before and after the steps, and each row takes the median prediction.
-    profiles = [load_profile(args.profile) if args.profile else measure_profile("cpu")]
+    profiles = [load_profile(args.profile) if args.profile else measure_profile("cpu", ranks=(world,))]
     configs = networks()
     predictions = {name: predict(configs[name], profiles[0], world, batch_size=args.batch) for name in names}
     plans = {name: admitted_rank_plans(predictions[name]) for name in names}
@@ -253,7 +256,7 @@ def main() -> None:
         mp.spawn(rank_main, args=(world, free_port(), args, plans, out), nprocs=world)
         ranks = torch.load(out)
     if not args.profile:
-        profiles += [measure_profile("cpu") for _ in range(args.profiles - 1)]
+        profiles += [measure_profile("cpu", ranks=(world,)) for _ in range(args.profiles - 1)]
     # The planner's second answer on the machine at hand: the network's own layers timed here
     # (dl4py plan --measure-layers), in this process with the whole thread budget.
     layer_times = {name: measure_layers(configs[name], args.batch) for name in names}

@@ -8,6 +8,7 @@ written down by hand from the network's work; whether the predictions match meas
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from dl4py.memory import estimate
 from dl4py.memory.sharded import sharding_layout
 from dl4py.plan.model import (FOR_LOOP_UPDATE_PASSES, FRESH_PAGES_FROM, L2_PASSES, PAGE_BYTES, PAGE_FAULT_S,
                              UPDATE_PASSES, predict)
-from dl4py.plan.profile import LOCAL, MEASURED, Curve, DeviceProfile, Link, Source, save_profile
+from dl4py.plan.profile import LOCAL, MEASURED, Curve, DeviceProfile, Link, ShardedCollective, Source, save_profile
 from dl4py.plan.report import recommend
 from dl4py.plan.work import step_work
 
@@ -128,6 +129,24 @@ def test_sharded_gathers_each_unit_twice_and_gloo_reduces_the_whole_unit():
         gathers + sum(link_seconds(2 * part) for part, trains in units if trains) + 2 * copies, rel=1e-9)
 
 
+def test_a_sharded_steps_collectives_cost_what_the_profile_measured_inside_such_a_step():
+    """Where the profile timed a collective inside a sharded step of as many ranks, each of
+    the plan's gathers and reduce-scatters costs that in place of the link's latency; the
+    other plans' exchanges, and other rank counts, keep the link's."""
+    config = RunConfig.from_file(MLP)
+    units = sharding_layout(config.network)
+    collectives = sum(3 if unit.trains else 2 for unit in units)
+    within = 25 * LATENCY
+    plain = by_plan(predict(config, device("cpu"), 2))
+    measured = replace(device("cpu"), sharded=(ShardedCollective("gloo", 2, within),))
+    timed = by_plan(predict(config, measured, 2))
+    assert timed["sharded"].communication_s - plain["sharded"].communication_s == pytest.approx(
+        collectives * (within - LATENCY), rel=1e-9)
+    for plan in ("data-averaging", "data-shared", "tensor"):
+        assert timed[plan].step_s == plain[plan].step_s
+    assert by_plan(predict(config, measured, 4))["sharded"] == by_plan(predict(config, device("cpu"), 4))["sharded"]
+
+
 def test_a_cpu_faults_in_the_large_buffers_made_anew_every_step():
     config = RunConfig.from_file(MLP)
     trained = step_work(config, 128).parameters * 4
@@ -162,11 +181,14 @@ def test_what_fits_is_the_memory_estimate_and_the_largest_batch_is_the_last_that
     plans = by_plan(predict(config, device(memory=single_peak - 1), 2, device_memory=single_peak - 1))
     assert plans["single"].fits is False and plans["single"].peak_bytes == single_peak
     assert plans["sharded"].fits is True  # half the parameters, gradients and momentum a rank
+    assert plans["tensor"].fits is True  # half of each 4000-wide pair's weights a rank
     largest = plans["single"].largest_batch
     assert estimate(config, largest, device="cuda").needed_bytes(True) <= single_peak - 1
     assert estimate(config, largest + 1, device="cuda").needed_bytes(True) > single_peak - 1
     chosen, why = recommend(list(plans.values()), step_work(config, 128))
-    assert chosen.plan == "sharded" and "one device cannot hold a step" in why
+    fitting = [p for p in plans.values() if p.fits and p.plan != "experiments"]
+    assert chosen == max(fitting, key=lambda p: p.samples_per_second) and "one device cannot hold a step" in why
+    assert chosen.plan in ("sharded", "tensor"), chosen
     # On a roomy device the bound is the 2**31 elements CUDA kernels index, as dl4py memory says.
     roomy = by_plan(predict(RunConfig.from_file(LENET), device(memory=80 * 2**30), 2, device_memory=80 * 2**30))
     assert roomy["single"].largest_batch == estimate(RunConfig.from_file(LENET), 1).max_batch_by_elements == 186_413

@@ -83,6 +83,9 @@ def test_collectives_are_timed_among_two_gloo_ranks_and_none_is_left(measured):
         assert 0 < link.bandwidth < math.inf and link.latency_s >= 0
         assert len(link.samples) >= 2 and all(seconds > 0 for _, seconds in link.samples)
         assert link.seconds(2**24) > link.seconds(2**12)
+    # a collective inside a sharded step costs something, and not seconds (sharded_probe)
+    within_step = profile.sharded_collective_s(2)
+    assert within_step is not None and 0 < within_step < 1, profile.sharded
     assert started == set()  # every rank process this test's measurement started has exited
     assert commands_running(RANK_MARK) == []
 
@@ -147,6 +150,8 @@ def test_a_bad_file_is_a_one_line_error_naming_file_and_key(tmp_path):
     assert "conv.fp8: unknown key" in _broken(tmp_path, lambda d: d["conv"].update(fp8=[[1, 1]]))
     assert "source.kind: must be one of" in _broken(tmp_path, lambda d: d["source"].update(kind="guessed"))
     assert "format: must be 1" in _broken(tmp_path, lambda d: d.update(format=2))
+    assert "sharded[0].seconds: must be a number >= 0" in _broken(tmp_path, lambda d: d.update(
+        sharded=[{"backend": "gloo", "ranks": 2, "seconds": -1.0, "scope": "local"}]))
     partial = tmp_path / "partial.json"
     partial.write_text(json.dumps(builtin_profile("a100").to_dict())[:200])
     with pytest.raises(ConfigError, match=f"^{partial}: is not valid JSON"):

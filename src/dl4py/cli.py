@@ -18,7 +18,7 @@
                              [--device-memory 80GB | --device cuda:0|cpu] [--json]
     dl4py plan CONFIG.yaml --devices N [--device-memory 24GiB] [--batch-size N] [--precision P]
                            [--profile FILE|GPU] [--measure-layers] [--json]
-    dl4py plan --profile [--device cpu|cuda] [--budget S] [--output FILE]
+    dl4py plan --profile [--device cpu|cuda] [--devices N] [--budget S] [--output FILE]
     dl4py sweep CONFIG.yaml --grid key=v1,v2,... [--random N --range key=lo:hi[:log]]
                             [--sampler grid|random|tpe --trials N --prune median|none]
                             [--devices all|cpu|0,1] [--per-device K] [--metric M]
@@ -137,7 +137,8 @@ def _parser() -> argparse.ArgumentParser:
     memory.add_argument("--parallelism", choices=["data", "sharded", "tensor", "hybrid", "single"],
                         help="the plan whose one rank is estimated (default: the config's training.parallelism): "
                              "data, a whole replica; sharded, one of --workers ranks training sharded (FSDP2), "
-                             "each on its own batch; tensor and hybrid are estimated as a whole replica")
+                             "each on its own batch; tensor, one of --workers ranks, its dense pairs split; "
+                             "hybrid is estimated as a whole replica")
     memory.add_argument("--workers", type=int, help="ranks a sharded step is split over (default: training.workers)")
     memory.add_argument("--json", action="store_true")
 
@@ -531,18 +532,18 @@ def _memory_device(args):
 
 def _memory_plan(args, config) -> dict:
     """The estimator's options for the plan ``dl4py memory`` answers for: ``--parallelism``,
-    else the config's plan. Sharded: one of ``--workers`` ranks; the config's data plan over
-    several workers, one worker (its replica's step and the flat buffer it meets the others
-    in); else (tensor and hybrid, not modelled per rank yet) a whole replica, as on one device."""
+    else the config's plan. Sharded and tensor: one of ``--workers`` ranks; the config's data
+    plan over several workers, one worker (its replica's step and the flat buffer it meets the
+    others in); else (hybrid, not modelled per rank yet) a whole replica, as on one device."""
     from dl4py.config.parallel import note_deprecated
     from dl4py.errors import ConfigError
 
     kind = args.parallelism or config.training.plan().kind
     if kind == "single":
         note_deprecated("--parallelism single", "--parallelism data")
-    if kind != "sharded":
+    if kind not in ("sharded", "tensor"):
         if args.workers is not None:
-            raise ConfigError("--workers", "applies to --parallelism sharded only")
+            raise ConfigError("--workers", "applies to --parallelism sharded and tensor only")
         workers = config.training.workers
         if kind == "data" and args.parallelism is None and isinstance(workers, int) and workers > 1:
             # the config's data-parallel worker: its step and the flat buffer its replica meets in
@@ -550,8 +551,8 @@ def _memory_plan(args, config) -> dict:
         return {}
     workers = args.workers if args.workers is not None else config.training.workers
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 2:
-        raise ConfigError("--workers", f"--parallelism sharded needs 2 or more workers, got {workers!r}")
-    return {"parallelism": "sharded", "workers": workers}
+        raise ConfigError("--workers", f"--parallelism {kind} needs 2 or more workers, got {workers!r}")
+    return {"parallelism": kind, "workers": workers}
 
 
 def _sharded_offer(config, batch, memory, precision, device):

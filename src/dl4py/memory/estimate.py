@@ -12,6 +12,8 @@ and its limits.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from dl4py.backend.device_memory import CUDA_CONTEXT_BYTES
@@ -26,6 +28,7 @@ from dl4py.memory.op import Op
 from dl4py.memory.sharded import estimate_sharded
 from dl4py.memory.step_graph import StepGraph, chain_graph
 from dl4py.memory.step_report import LayerMemory, MemoryReport, replayed_fields
+from dl4py.memory.tensor import rank_network, tensor_rank_graph
 from dl4py.memory.step_sizes import (
     MAX_TENSOR_ELEMENTS,
     MiB,
@@ -66,7 +69,8 @@ def estimate(config, batch_size: int, precision: str | None = None, updater: Upd
     is estimated: ``"data"``, a whole replica (one device's step; with ``workers`` above 1, one
     worker's, whose replicas meet in a flat buffer: ``_exchange``); ``"sharded"`` with
     ``workers=N``, one of N ranks training sharded (FSDP2), each on a batch of ``batch_size``
-    (``memory.sharded``).
+    (``memory.sharded``); ``"tensor"``, one of N ranks training the same batch with its dense
+    pairs split (``memory.tensor``).
     """
     sync = parallelism.sync if isinstance(parallelism, ParallelPlan) else "averaging"
     if isinstance(parallelism, ParallelPlan):
@@ -79,16 +83,37 @@ def estimate(config, batch_size: int, precision: str | None = None, updater: Upd
             raise ConfigError("parallelism", "sharded is a way to train; estimate inference with data")
         return estimate_sharded(config, batch_size, workers, precision, updater, device, optimizer,
                                 data_bytes, as_measured)
-    if parallelism != "data":
-        raise ConfigError("parallelism", f"must be data or sharded (tensor and hybrid ranks are not modelled "
-                                         f"yet), got {parallelism!r}")
     network, run_precision = network_of(config)
+    if parallelism == "tensor":
+        if not training:
+            raise ConfigError("parallelism", "tensor is a way to train; estimate inference with data")
+        policy = resolve_precision(precision or run_precision or "float")
+        if policy.master_weights or policy.uses_loss_scaling:  # distributed_state.check_precision's rule
+            raise ConfigError("precision", f"dl4py's tensor plan trains float, double and mixed-bf16; "
+                                           f"{policy.name} (float32 masters or loss scaling) it does not yet")
+        # the DTensors are stepped by the for-loop kernel (parallel/tensor_parallel.py)
+        report = _replica(rank_network(network, workers), run_precision, batch_size, precision, updater, True,
+                          device, "loop", data_bytes, as_measured, 1, sync, tensor_rank_graph(network, workers))
+        return replace(report, parallelism="tensor", workers=workers)
+    if parallelism != "data":
+        raise ConfigError("parallelism", f"must be data, sharded or tensor (hybrid ranks are not modelled "
+                                         f"yet), got {parallelism!r}")
+    return _replica(network, run_precision, batch_size, precision, updater, training, device, optimizer, data_bytes,
+                    as_measured, workers, sync)
+
+
+def _replica(network, run_precision, batch_size: int, precision, updater, training: bool, device, optimizer: str,
+             data_bytes: int, as_measured: bool, workers: int, sync: str, edit_graph=None) -> MemoryReport:
+    """One whole replica's step (``estimate``'s data plan), its operators' graph changed by
+    ``edit_graph`` where a plan's rank runs them otherwise (``memory.tensor``)."""
     check_batch_size(batch_size)
     policy = resolve_precision(precision or run_precision or "float")
     device_type = torch.device(device).type
     updater = updater or network.updater
     implementation = optimizer_implementation(optimizer, updater, device_type, policy.uses_loss_scaling)
     graph = _step_graph(network, device_type)
+    if edit_graph is not None:
+        graph = edit_graph(graph)
     sizes = StepSizes(policy, graph, device_type)
     timeline = Timeline(allocator_granule(device_type))
     parameter_bytes, updater_bytes = _resident_bytes(graph.ops, updater, sizes, training)

@@ -47,6 +47,12 @@ def _heading(report: MemoryReport) -> list[str]:
                 f"{update}, on {report.device_type}",
                 "Parameters, gradients and updater state are 1/N per rank; one layer (or row block) "
                 "at a time is gathered whole. The table shows whole layers.", ""]
+    if report.parallelism == "tensor":
+        return [f"Memory of one rank of {report.workers:,} in a tensor-parallel training step: batch "
+                f"{report.batch_size:,} (every rank the same), precision {report.precision}, updater "
+                f"{report.updater}{update}, on {report.device_type}",
+                "Each pair of hidden dense layers is split: the first by output columns, the second by "
+                "input rows. The table shows one rank's layers.", ""]
     mode = "training step" if report.training else "inference"
     return [f"Memory of one {mode}: batch {report.batch_size:,}, precision {report.precision}, "
             f"updater {report.updater}{update}, on {report.device_type}", ""]

@@ -152,7 +152,8 @@ def calibrate(builtin: DeviceProfile, measured: DeviceProfile) -> DeviceProfile:
                                    if (link.collective, link.backend, link.ranks, link.scope) not in replaced)
     source = Source(CALIBRATED, measured.source.hardware, measured.source.date, measured.source.torch, found)
     return replace(builtin, memory_bytes=measured.memory_bytes, matmul=rates["matmul"], conv=rates["conv"],
-                   memory_bandwidth=measured.memory_bandwidth, overhead_s=measured.overhead_s, source=source, links=links)
+                   memory_bandwidth=measured.memory_bandwidth, overhead_s=measured.overhead_s, source=source, links=links,
+                   sharded=measured.sharded)
 
 
 def cluster_profile(base: DeviceProfile, bandwidth="25GB/s", latency="10us", ranks=LINK_RANKS,

@@ -67,10 +67,13 @@ def _layer_times(args, config, profile: DeviceProfile) -> LayerTimes | None:
 def _measure(args) -> int:
     device = args.device or "cpu"
     print(f"dl4py plan: measuring {device} (about a minute)...", flush=True)
-    profile = measure_profile(device, budget_s=args.budget)
+    # the collectives among as many ranks as the plans will have (default: 2 CPU ranks, every GPU)
+    profile = measure_profile(device, ranks=(args.devices,) if args.devices > 1 else None, budget_s=args.budget)
     path = save_profile(profile, Path(args.output) if args.output else default_profile_path(device))
-    links = ", ".join(f"{link.collective} over {link.ranks} ranks {link.latency_s * 1e6:,.0f} us + "
-                      f"{link.bandwidth / 1e9:,.2f} GB/s" for link in profile.links)
+    links = ", ".join([f"{link.collective} over {link.ranks} ranks {link.latency_s * 1e6:,.0f} us + "
+                       f"{link.bandwidth / 1e9:,.2f} GB/s" for link in profile.links]
+                      + [f"a collective in a sharded step of {item.ranks} ranks {item.seconds * 1e6:,.0f} us"
+                         for item in profile.sharded])
     rates = ", ".join(f"{kind} {precision} {curve.peak / 1e9:,.1f} GFLOP/s" for kind in ("matmul", "conv")
                       for precision, curve in getattr(profile, kind).items())
     print(f"{profile.name}: {rates}; memory {profile.memory_bandwidth / 1e9:,.1f} GB/s; {links}")

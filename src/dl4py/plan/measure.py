@@ -5,7 +5,8 @@ an element-wise add for bandwidth, a tiny operator for dispatch; each size warme
 the median of timed samples. Collectives: each count of ranks in processes of its own, over
 gloo (CPU) or NCCL (CUDA), bounded by the doctor's ``run_bounded`` and killed at the deadline;
 each rank times each collective at a few message sizes, and a latency and a bandwidth are
-fitted to them (``fit_latency_bandwidth``).
+fitted to them (``fit_latency_bandwidth``); then what a collective costs inside a sharded
+training step (``sharded_probe``).
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from dl4py.doctor.children import DEADLINE, run_bounded
 from dl4py.doctor.rank import run_in_group
 from dl4py.doctor.result import last_report, report_stage
 from dl4py.errors import BackendError, ConfigError
+from dl4py.parallel.threads import worker_threads
 from dl4py.plan.profile import (COLLECTIVES, KINDS, LOCAL, MEASURED, PRECISIONS, Curve, DeviceProfile, Link,
-                                Source)
+                                ShardedCollective, Source)
+from dl4py.plan.sharded_probe import sharded_collective_seconds
 
 # Sizes timed: square matrix products (n), 3x3 convolutions (batch, in, out, height = width),
 # element-wise buffers (bytes), collective messages (bytes). CPU sizes stop where a call
@@ -84,15 +87,17 @@ def measure_profile(device: str = "cpu", ranks: tuple[int, ...] | None = None, b
         compute = _measure_compute(target, budget_s * COMPUTE_SHARE, quick)
     finally:
         torch.set_num_threads(threads_before)
-    links = []
+    links, sharded = [], []
     for index, world in enumerate(ranks):
         share = (deadline - time.monotonic()) / (len(ranks) - index)  # what is left, split evenly
-        links += _measure_links(backend, world, time.monotonic() + share, quick)
+        measured_links, collective_s = _measure_links(backend, world, time.monotonic() + share, quick)
+        links += measured_links
+        sharded.append(ShardedCollective(backend, world, collective_s))
     hardware = torch.cuda.get_device_name(target) if target.type == "cuda" else _cpu_name()
     source = Source(MEASURED, hardware, datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     torch.__version__)
     return DeviceProfile(hardware, target.type, _memory_bytes(target), source=source, threads=used_threads,
-                         links=tuple(links), **compute)
+                         links=tuple(links), sharded=tuple(sharded), **compute)
 
 
 def _rank_counts(target: torch.device, backend: str, ranks) -> tuple[int, ...]:
@@ -212,10 +217,17 @@ def _memory_bytes(target: torch.device) -> int:
 
 # -- collectives -------------------------------------------------------------------------
 
-RANK_PROGRAM = "import sys; from dl4py.plan.measure import link_rank_main; sys.exit(link_rank_main(sys.argv[1:]))"
+# The rank leaves by os._exit once its report is out: after FSDP2 has run in a process that timed
+# collectives, freeing gloo's groups at the interpreter's exit aborted a rank now and then
+# ("terminate called without an active exception", about one measurement in six among 4 ranks),
+# failing a measurement whose figures were all in.
+RANK_PROGRAM = ("import os, sys; from dl4py.plan.measure import link_rank_main; code = link_rank_main(sys.argv[1:]); "
+                "sys.stdout.flush(); sys.stderr.flush(); os._exit(code)")
 
 
-def _measure_links(backend: str, world: int, deadline: float, quick: bool) -> list[Link]:
+def _measure_links(backend: str, world: int, deadline: float, quick: bool) -> tuple[list[Link], float]:
+    """The collectives' links among ``world`` ranks, and the seconds of one collective in a
+    sharded step (``sharded_probe``)."""
     sizes = QUICK_MESSAGE_BYTES if quick else MESSAGE_BYTES
     repeats = QUICK_REPEATS if quick else REPEATS // 2
     with socket.socket() as probe:  # a free loopback port; rank 0 listens there
@@ -236,7 +248,8 @@ def _measure_links(backend: str, world: int, deadline: float, quick: bool) -> li
             raise BackendError(f"{what}: rank {rank} failed in {report.get('stage', 'start-up')}: {detail}")
     timings = reports[0].get("timings", {})
     return [Link(name, backend, world, *fit_latency_bandwidth(samples), LOCAL,
-                 tuple((int(n), float(t)) for n, t in samples)) for name, samples in timings.items()]
+                 tuple((int(n), float(t)) for n, t in samples)) for name, samples in timings.items()], \
+        float(reports[0]["sharded_s"])
 
 
 def fit_latency_bandwidth(samples) -> tuple[float, float]:
@@ -262,13 +275,19 @@ def fit_latency_bandwidth(samples) -> tuple[float, float]:
 def link_rank_main(argv: list[str]) -> int:
     """One rank timing collectives: ``RANK WORLD BACKEND INIT_METHOD DEADLINE SIZES REPEATS``.
     Prints a JSON line as it enters each stage and one at the end (``timings``: collective ->
-    [[bytes, median seconds], ...], or ``error``): the doctor's rank program (``run_in_group``)."""
+    [[bytes, median seconds], ...]; ``sharded_s``: one collective of a sharded step; or
+    ``error``): the doctor's rank program (``run_in_group``). On a CPU each rank takes the
+    threads dl4py gives each of ``WORLD`` workers (``worker_threads``), as a plan's ranks would."""
     rank, world, backend, init_method = int(argv[0]), int(argv[1]), argv[2], argv[3]
     deadline, sizes, repeats = float(argv[4]), [int(s) for s in argv[5].split(",")], int(argv[6])
 
     def timings(report: dict, target: torch.device, rank: int, world: int) -> None:
+        if target.type == "cpu":
+            torch.set_num_threads(worker_threads(world))
         report["timings"] = {name: [[n, _time_collective(name, n, world, target, repeats)] for n in sizes]
                              for name in COLLECTIVES if report_stage(report, name) is None}
+        report_stage(report, "sharded")
+        report["sharded_s"] = sharded_collective_seconds(rank, world, target, repeats)
 
     return run_in_group(rank, world, backend, init_method, deadline, timings)
 

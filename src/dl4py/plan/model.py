@@ -21,7 +21,8 @@ round trains one batch per worker):
   updater state, ``average_updaters``) averaged every ``averaging_frequency`` rounds.
 - ``data-shared``: the same, the gradients averaged every step.
 - ``sharded``: FSDP2: each unit's parameters gathered for the forward and again for the
-  backward, its gradients reduce-scattered.
+  backward, its gradients reduce-scattered; each of those collectives at its cost inside a
+  sharded step where the profile measured it (``ShardedCollective``), else the link's latency.
 - ``tensor``: every rank the same batch; consecutive hidden dense layers split in
   column/row pairs, each pair one all-reduce of its output forward and one of its input's
   gradient backward (Megatron's MLP).
@@ -33,6 +34,7 @@ round trains one batch per worker):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from dl4py.config.graph import GraphConfig
@@ -42,6 +44,7 @@ from dl4py.memory.capacity import max_batch_size
 from dl4py.memory.estimate import estimate
 from dl4py.memory.sharded import sharding_layout
 from dl4py.memory.step_sizes import network_of
+from dl4py.memory.tensor import NO_PAIRS, dense_pairs, TOLERANCE as TENSOR_TOLERANCE
 from dl4py.plan.layer_times import LayerTimes
 from dl4py.plan.profile import DeviceProfile
 from dl4py.plan.work import LayerWork, StepWork, step_work
@@ -226,24 +229,27 @@ class _Cost:
         scale = 0.5 if self.precision == "double" else 1.0
         return flops / (scale * self.profile.rate(kind, self.rate_precision, flops / calls))
 
-    def exchange(self, collective: str, nbytes: float, ranks: int | None = None) -> float:
+    def exchange(self, collective: str, nbytes: float, ranks: int | None = None,
+                 latency_s: float | None = None) -> float:
+        """The link's time for ``nbytes``; ``latency_s``: in place of the link's own (a
+        collective's cost inside a sharded step, ``DeviceProfile.sharded_collective_s``)."""
         ranks = ranks or self.workers
         if ranks == 1 or nbytes <= 0:
             return 0.0
         link = self.profile.link(collective, ranks) or self.profile.link("all_reduce", ranks)
         if link is None:
             link = self._scaled_link(collective, ranks)
-        return link.seconds(nbytes)
+        return link.seconds(nbytes) + (0.0 if latency_s is None else latency_s - link.latency_s)
 
-    def reduce_scatter(self, part: float) -> float:
+    def reduce_scatter(self, part: float, latency_s: float | None = None) -> float:
         """A reduce-scatter leaving each rank ``part`` bytes. Its input is the whole unit, W parts:
         gloo reduces all of it (torch's gloo reduce_scatter_tensor took twice an all-reduce of
         the same 77 MB on the benchmark machine), so on gloo it is at least an all-reduce of the
         unit; NCCL's ring moves one part per step, as an all-gather does."""
         link = self.profile.link("all_reduce", self.workers)
         if link is not None and link.backend == "gloo":
-            return self.exchange("all_reduce", part * self.workers)
-        return self.exchange("all_gather", part)
+            return self.exchange("all_reduce", part * self.workers, latency_s=latency_s)
+        return self.exchange("all_gather", part, latency_s=latency_s)
 
     def _scaled_link(self, collective: str, ranks: int):
         """A link for a rank count not measured: the nearest measured one of the collective,
@@ -285,9 +291,13 @@ class _Cost:
         work = self.work(batch)
         seconds, moved = 0.0, 0
         copied = 0.0
+        # what a collective costs inside a sharded step, where measured: the ranks reach each
+        # unit's after compute, not ready and waiting as when a link is timed back to back
+        within_step = self.profile.sharded_collective_s(self.workers)
         for part, trains in self._shards(work):
             # gathered for the forward, again for the backward; its gradient reduce-scattered
-            seconds += 2 * self.exchange("all_gather", part) + (self.reduce_scatter(part) if trains else 0)
+            seconds += 2 * self.exchange("all_gather", part, latency_s=within_step) + (
+                self.reduce_scatter(part, latency_s=within_step) if trains else 0)
             moved += (3 if trains else 2) * part
             # FSDP2 copies around each collective, a read and a write each: a gather's shard
             # into its send buffer and the gathered unit out into the parameters; the unit's
@@ -313,9 +323,9 @@ class _Cost:
 
     def tensor(self, batch: int) -> Prediction:
         work = self.work(batch)
-        pairs = _dense_pairs(self.network, work)
+        pairs = dense_pairs(self.network)
         if not pairs:
-            return Prediction("tensor", self.workers, False, _NO_PAIRS if not isinstance(
+            return Prediction("tensor", self.workers, False, NO_PAIRS if not isinstance(
                 self.network, GraphConfig) else "dl4py splits the dense layers of a MultiLayerNetwork; this is a graph")
         split = {index: 1.0 / self.workers for pair in pairs for index in pair}
         seconds, moved = self._pair_exchanges(work, pairs, rows=1)
@@ -326,11 +336,11 @@ class _Cost:
 
     def hybrid(self, batch: int) -> Prediction:
         work = self.work(batch)
-        pairs = _dense_pairs(self.network, work)
+        pairs = dense_pairs(self.network)
         first_dense = next((layer.index for layer in work.layers if layer.type_name.startswith(("dense", "output"))),
                            None)
         if not pairs or first_dense is None or first_dense == 0:
-            why = _NO_PAIRS if not pairs else "the hybrid needs layers before the first dense layer to train apart"
+            why = NO_PAIRS if not pairs else "the hybrid needs layers before the first dense layer to train apart"
             if isinstance(self.network, GraphConfig):
                 why = "dl4py's hybrid is for a MultiLayerNetwork; this is a graph"
             return Prediction("hybrid", self.workers, False, why)
@@ -368,27 +378,6 @@ class _Cost:
         return seconds, moved
 
 
-_NO_PAIRS = "no two hidden dense layers in a row to split (the tensor plans split dense pairs)"
-
-
-def _dense_pairs(network, work: StepWork) -> list[tuple[int, int]]:
-    """Consecutive hidden dense layers, paired from the first (``tensor_parallel_plan``'s rule)."""
-    if isinstance(network, GraphConfig):
-        return []
-    last = len(network.layers) - 1
-    pairs, waiting = [], None
-    for index, layer in enumerate(network.layers):
-        dense = index < last and type(layer).__name__ == "DenseLayer"
-        if not dense:
-            waiting = None
-        elif waiting is None:
-            waiting = index
-        else:
-            pairs.append((waiting, index))
-            waiting = None
-    return pairs
-
-
 def _input_elements(work: StepWork, index: int) -> int:
     earlier = [layer for layer in work.layers if layer.index < index]
     return earlier[-1].output_elements if earlier else 0
@@ -422,14 +411,17 @@ def _with_memory(prediction: Prediction, network, precision: str, profile: Devic
 
 def _estimate_options(plan: str, workers: int) -> dict | None:
     """The memory estimator's options for one device of ``plan``; None where dl4py has no
-    estimate for the plan (tensor, hybrid)."""
-    if plan in ("tensor", "hybrid"):
+    estimate for the plan (hybrid). Each with ``as_measured``: a gradient's parts where its
+    tensor forks (a split layer's blocks, a graph's shared input) added out of place, which
+    is what LiveTensorBytes sees and never less than autograd's in-place adding of a plain
+    step (the sharded MLP at batch 2048: 286 MB against 262), so that a "fits" holds either way."""
+    if plan == "hybrid":
         return None
-    if plan == "sharded":
-        return {"parallelism": "sharded", "workers": workers}
+    if plan in ("sharded", "tensor"):
+        return {"parallelism": plan, "workers": workers, "as_measured": True}
     if plan in DATA_SYNC:  # a worker's replica and the flat buffer its exchange makes
-        return {"parallelism": ParallelPlan("data", sync=DATA_SYNC[plan]), "workers": workers}
-    return {}
+        return {"parallelism": ParallelPlan("data", sync=DATA_SYNC[plan]), "workers": workers, "as_measured": True}
+    return {"as_measured": True}
 
 
 def _peak(plan: str, network, batch: int, workers: int, precision: str, device: str) -> int | None:
@@ -439,15 +431,31 @@ def _peak(plan: str, network, batch: int, workers: int, precision: str, device: 
     if options is None:
         return None
     try:
-        return estimate(network, batch, precision, device=device, **options).needed_bytes(True)
+        report = estimate(network, batch, precision, device=device, **options)
     except ConfigError:
         return None
+    return math.ceil(report.needed_bytes(True) / (1 - _margin(plan))) + _kept_copy(plan, report, device)
+
+
+def _margin(plan: str) -> float:
+    """The fraction of a device a plan's estimate leaves free: the tensor estimate's tolerance
+    (``memory.tensor``); the others are exact on a CPU."""
+    return TENSOR_TOLERANCE if plan == "tensor" else 0.0
+
+
+def _kept_copy(plan: str, report, device: str) -> int:
+    """A sharded CPU rank's reduce-scatter input, which gloo's thread now and then holds past
+    the estimated peak (a race with the step; docs/memory.md): one gathered unit at most. A
+    plan's "fits" counts it, so that it holds whichever way the race goes."""
+    return report.gathered_unit_bytes if plan == "sharded" and device == "cpu" else 0
 
 
 def _largest_batch(plan: str, network, workers: int, precision: str, device: str, memory: int) -> int:
     """The largest batch whose step fits ``memory``, as ``dl4py memory`` finds it (for a plan
-    ``_peak`` estimates)."""
-    return max_batch_size(network, memory, precision, device=device, **_estimate_options(plan, workers))
+    ``_peak`` estimates), less ``_kept_copy``, the same at any batch, and ``_margin``."""
+    options = _estimate_options(plan, workers)
+    kept = _kept_copy(plan, estimate(network, 1, precision, device=device, **options), device)
+    return max_batch_size(network, memory - kept, precision, device=device, margin=_margin(plan), **options)
 
 
 __all__ = ["PLAN_NAMES", "Prediction", "predict"]

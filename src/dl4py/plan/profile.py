@@ -19,6 +19,13 @@ A ``Link`` is one collective over one backend among ``ranks`` processes, fitted 
 ``seconds(bytes) = latency_s + bytes / bandwidth`` from timings at a few message sizes.
 ``bytes`` is the tensor each rank passes in: the buffer for all_reduce and broadcast, each
 rank's own part for all_gather (it receives ``ranks`` times as much).
+
+A ``ShardedCollective`` is what one collective of a sharded (FSDP2) training step costs among
+``ranks`` processes beyond its bytes: a link is timed back to back, every rank ready, where a
+training step reaches each unit's gather and reduce-scatter after compute, its ranks' arrivals
+apart and each wake-up a thread's turn on a busy core. On the benchmark's two-core CPU a
+small all-gather took 0.24 ms back to back and 1.2-1.5 ms a collective inside a sharded step
+of two ranks (5-6 ms for four ranks sharing the two cores).
 """
 
 from __future__ import annotations
@@ -91,6 +98,19 @@ class Link:
 
 
 @dataclass(frozen=True)
+class ShardedCollective:
+    """One collective of a sharded training step among ``ranks`` processes over ``backend``:
+    ``seconds`` in place of the link's latency (the bytes still move at the link's bandwidth),
+    measured as the step time of a probe of small FSDP2 units on the ranks less the same
+    probe's on groups of one rank, per collective (``plan.sharded_probe``)."""
+
+    backend: str
+    ranks: int
+    seconds: float
+    scope: str = LOCAL
+
+
+@dataclass(frozen=True)
 class Source:
     """Where the figures come from: ``measured`` here (date, torch, hardware), ``builtin``
     (published peaks times ``efficiency``), or ``calibrated`` (published, replaced by a
@@ -118,6 +138,7 @@ class DeviceProfile:
     source: Source
     threads: int | None = None  # CPU: the intra-op threads it was measured with
     links: tuple[Link, ...] = ()
+    sharded: tuple[ShardedCollective, ...] = ()
 
     def rate(self, kind: str, precision: str, flops: float) -> float:
         """FLOP/s of one ``kind`` (matmul, conv) call of ``flops`` in ``precision``."""
@@ -131,12 +152,18 @@ class DeviceProfile:
         return next((link for link in self.links
                      if (link.collective, link.ranks, link.scope) == (collective, ranks, scope)), None)
 
+    def sharded_collective_s(self, ranks: int, scope: str = LOCAL) -> float | None:
+        """Seconds of one collective of a sharded step among ``ranks``, beyond its bytes; None
+        where not measured (a built-in profile, or another count of ranks)."""
+        return next((item.seconds for item in self.sharded if (item.ranks, item.scope) == (ranks, scope)), None)
+
     def to_dict(self) -> dict:
         data = asdict(self)
         for kind in KINDS:
             data[kind] = {precision: [list(point) for point in curve.points]
                           for precision, curve in getattr(self, kind).items()}
         data["links"] = [{**asdict(link), "samples": [list(s) for s in link.samples]} for link in self.links]
+        data["sharded"] = [asdict(item) for item in self.sharded]
         return {"format": FORMAT, **data}
 
     @classmethod
@@ -156,7 +183,8 @@ class DeviceProfile:
                           *(reader.text(source, f"source.{k}", k, "") for k in ("hardware", "date", "torch")),
                           reader.efficiency(source)),
             threads=None if data.get("threads") is None else reader.whole(data, "threads"),
-            links=tuple(reader.link(item, f"links[{i}]") for i, item in enumerate(reader.items(data, "links"))))
+            links=tuple(reader.link(item, f"links[{i}]") for i, item in enumerate(reader.items(data, "links"))),
+            sharded=tuple(reader.sharded(item, f"sharded[{i}]") for i, item in enumerate(reader.items(data, "sharded"))))
 
 
 class _Reader:
@@ -248,6 +276,12 @@ class _Reader:
                     self.whole(item, f"{path}.ranks"), self.number(item, f"{path}.latency_s"),
                     self.positive(item, f"{path}.bandwidth"), self.choice(item, f"{path}.scope", (LOCAL, NETWORK)),
                     tuple((int(n), t) for n, t in self.pairs(samples, f"{path}.samples")) if samples else ())
+
+    def sharded(self, item, path) -> ShardedCollective:
+        item = self.mapping(item, path, {f.name for f in fields(ShardedCollective)})
+        return ShardedCollective(self.text(item, f"{path}.backend"), self.whole(item, f"{path}.ranks"),
+                                 self.number(item, f"{path}.seconds"),
+                                 self.choice(item, f"{path}.scope", (LOCAL, NETWORK)))
 
     def number(self, data, path) -> float:  # zero allowed: a latency too small to fit
         value = self.get(data, path)
