@@ -43,20 +43,7 @@ PLANS = ("data", "sharded", "tensor", "hybrid")
 
 def networks() -> dict[str, NetworkConfig]:
     mlp = RunConfig.from_file(ROOT / "examples" / "mlp_4000.yaml").network
-    hybrid = NetworkConfig.from_dict({
-        "seed": 1, "weight_init": "xavier", "l2": 0.0005,
-        "updater": {"type": "nesterovs", "learning_rate": 0.01, "momentum": 0.9},
-        "input_type": {"type": "convolutional_flat", "height": 28, "width": 28, "channels": 1},
-        "layers": [
-            {"type": "convolution", "kernel_size": [5, 5], "n_out": 20, "activation": "identity"},
-            {"type": "subsampling", "pooling_type": "max", "kernel_size": [2, 2], "stride": [2, 2]},
-            {"type": "convolution", "kernel_size": [5, 5], "n_out": 50, "activation": "identity"},
-            {"type": "subsampling", "pooling_type": "max", "kernel_size": [2, 2], "stride": [2, 2]},
-            {"type": "dense", "n_out": 2048, "activation": "relu"},
-            {"type": "dense", "n_out": 2048, "activation": "relu"},
-            {"type": "output", "n_out": 10, "loss": "negativeloglikelihood"},
-        ],
-    })
+    hybrid = RunConfig.from_file(ROOT / "examples" / "lenet_dense_head.yaml").network
     return {"mlp": mlp, "hybrid-net": hybrid}
 
 

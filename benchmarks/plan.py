@@ -75,7 +75,10 @@ KNOWN_CAUSES = ["", "What the model counts since the first recording, each found
                 "FSDP2 units (`plan/sharded_probe.py`): on this machine 1.2-1.6 ms among 2 ranks and 4.3-5.1 ms "
                 "among 4, where a link timed back to back gave 0.24 ms (the ranks arrive apart, and each "
                 "wake-up of gloo's threads waits for a turn on a busy core). The links are measured among as "
-                "many ranks as the run has (4 ranks' all-reduce: 5.4-6.4 ms of latency, not the 2-rank 0.26-1.0 ms scaled).",
+                "many ranks as the run has (4 ranks' all-reduce: 5.4-6.4 ms of latency, not the 2-rank 0.26-1.0 ms scaled). "
+                "Where the ranks do not go evenly round the cores (3 on 2), the plans that synchronize at every "
+                "unit or pair go at the pace of a rank sharing its core (a quarter of the CPU, not a third): the "
+                "residual graph's sharded plan at 3 ranks was 0.68 before this was counted.",
                 "",
                 "Not modelled, so these rows stay under-predicted:", "",
                 "- The distributed plans lose dl4py's channels-last layout on a CPU: FSDP2's gathered "

@@ -209,8 +209,10 @@ def test_the_estimate_names_plans_in_the_plan_vocabulary():
     assert plan.to_dict() == estimate(MLP, 64, device="cpu", parallelism="sharded", workers=4).to_dict()
     tensor = estimate(MLP, 64, device="cpu", parallelism=ParallelPlan("tensor"), workers=2)
     assert tensor.to_dict() == estimate(MLP, 64, device="cpu", parallelism="tensor", workers=2).to_dict()
-    with pytest.raises(ConfigError, match=r"must be data, sharded or tensor \(hybrid ranks are not modelled"):
-        estimate(MLP, 64, parallelism=ParallelPlan("hybrid"))
+    with pytest.raises(ConfigError, match="^parallelism: hybrid: the hybrid needs layers before the first dense"):
+        estimate(MLP, 64, parallelism=ParallelPlan("hybrid"), workers=2)
+    with pytest.raises(ConfigError, match="^parallelism: must be data, sharded, tensor or hybrid, got 'pipeline'"):
+        estimate(MLP, 64, parallelism="pipeline")
 
 
 # -- max_parameters over N devices -------------------------------------------------------

@@ -1,14 +1,16 @@
-"""One rank's memory in tensor-parallel training, measured and estimated, and what ``dl4py
-plan`` says of it.
+"""One rank's memory in tensor-parallel and hybrid training, measured and estimated, and what
+``dl4py plan`` says of it.
 
 Two gloo ranks (``tests/ranks.py``) each convert a network as the rank program does
-(``apply_tensor_parallel``: its dense pairs split by columns and rows) and measure a training
-step on the same batch with ``LiveTensorBytes`` (``measure_training_step``: a DTensor counted
-by its local shard). The estimate is rank 0's (``torch.chunk`` gives it the most columns).
+(``apply_tensor_parallel``: its dense pairs split by columns and rows; for the hybrid, the
+layers before the first dense one apart and the rows gathered there) and measure a training
+step with ``LiveTensorBytes`` (``measure_training_step``: a DTensor counted by its local
+shard): the tensor plan's ranks on the same batch, the hybrid's each on its own. The estimate
+is rank 0's (``torch.chunk`` gives it the most columns).
 
-What is asserted is what docs/memory.md says of the tensor plan, and the issue's memory line
-for it on a CPU: every "fits" holds, the largest batch reported trains within the budget and
-the next power of two above it does not.
+What is asserted is what docs/memory.md says of the two plans, and the issue's memory line for
+them on a CPU: every "fits" holds, the largest batch reported trains within the budget and the
+next power of two above it does not.
 """
 
 from __future__ import annotations
@@ -37,34 +39,25 @@ from test_plan_model import device
 ROOT = Path(__file__).resolve().parents[1]
 MLP = RunConfig.from_file(ROOT / "examples" / "mlp_4000.yaml")  # 784-4000-4000-10, Nesterovs with L2
 # LeNet's convolutions with a 2048-2048 dense head: the issue's network for the hybrid plans.
-CONV_HEAD = NetworkConfig.from_dict({
-    "seed": 1, "weight_init": "xavier", "l2": 0.0005,
-    "updater": {"type": "nesterovs", "learning_rate": 0.01, "momentum": 0.9},
-    "input_type": {"type": "convolutional_flat", "height": 28, "width": 28, "channels": 1},
-    "layers": [
-        {"type": "convolution", "kernel_size": [5, 5], "n_out": 20, "activation": "identity"},
-        {"type": "subsampling", "pooling_type": "max", "kernel_size": [2, 2], "stride": [2, 2]},
-        {"type": "convolution", "kernel_size": [5, 5], "n_out": 50, "activation": "identity"},
-        {"type": "subsampling", "pooling_type": "max", "kernel_size": [2, 2], "stride": [2, 2]},
-        {"type": "dense", "n_out": 2048, "activation": "relu"},
-        {"type": "dense", "n_out": 2048, "activation": "relu"},
-        {"type": "output", "n_out": 10, "loss": "negativeloglikelihood"},
-    ],
-})
+CONV_HEAD = RunConfig.from_file(ROOT / "examples" / "lenet_dense_head.yaml").network
 NETWORKS = {"mlp": MLP.network, "conv-head": CONV_HEAD}
 WORKERS = 2
 RANKS_TIMEOUT_S = 300
 # Where the update sets a rank's peak (small batches), the estimate is its measured peak but for
 # the loss's scalar; where the row-parallel layer's backward does, within TOLERANCE (docs/memory.md).
-CASES = [("mlp", 128), ("mlp", 2048), ("conv-head", 128), ("conv-head", 1024)]
+CASES = [("tensor", "mlp", 128), ("tensor", "mlp", 2048), ("tensor", "conv-head", 128), ("tensor", "conv-head", 1024),
+         ("hybrid", "conv-head", 64), ("hybrid", "conv-head", 512)]
 EXACT_BYTES = 8
 
 
-def _batch(network: NetworkConfig, batch: int):
-    """The same batch on every rank, as the tensor plan trains."""
-    generator = torch.Generator().manual_seed(0)
+def _batch(network: NetworkConfig, batch: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
     features = torch.rand(batch, *network.input_type.example_shape(), generator=generator)
     return features, torch.randint(0, 10, (batch,), generator=generator)
+
+
+def case_id(plan: str, network: str, batch: int) -> str:
+    return f"{plan}/{network}/{batch}"
 
 
 def _rank(rank: int, folder: str, cases: list) -> None:
@@ -72,13 +65,15 @@ def _rank(rank: int, folder: str, cases: list) -> None:
     try:
         mesh = init_device_mesh("cpu", (WORKERS,))
         peaks = {}
-        for network, batch in cases:
+        for plan, network, batch in cases:
             config = NETWORKS[network]
             net = MultiLayerNetwork(config, backend="cpu").init()
-            layout = apply_tensor_parallel(net, mesh)
+            layout = apply_tensor_parallel(net, mesh, hybrid=plan == "hybrid")
             net.share_gradients(layout.gradient_hook)
-            features, labels = _batch(config, batch)
-            peaks[f"{network}/{batch}"] = measure_training_step(net, net.prepare_input(features), labels).peak_bytes
+            # the tensor plan: every rank the same batch; the hybrid: each its own rows
+            features, labels = _batch(config, batch, seed=rank if plan == "hybrid" else 0)
+            peaks[case_id(plan, network, batch)] = measure_training_step(
+                net, net.prepare_input(features), labels).peak_bytes
             del net
         Path(folder, f"peaks{rank}.json").write_text(json.dumps(peaks))
     finally:
@@ -86,33 +81,40 @@ def _rank(rank: int, folder: str, cases: list) -> None:
 
 
 def measure_ranks(cases: list) -> list[dict]:
-    """Each rank's measured step peak by ``network/batch``."""
+    """Each rank's measured step peak by ``case_id``."""
     with tempfile.TemporaryDirectory(prefix="dl4py-tensor-memory-") as folder:
         run_ranks(_rank, (folder, cases), WORKERS, RANKS_TIMEOUT_S)
         return [json.loads(Path(folder, f"peaks{rank}.json").read_text()) for rank in range(WORKERS)]
 
 
-def tensor_plan_at_the_budget():
+def plans_at_the_budget() -> dict:
+    """``dl4py plan``'s tensor plan of the MLP and hybrid plan of the convolutional network, for
+    2 CPU ranks at BUDGET."""
     profile = device("cpu", memory=BUDGET)
-    return next(p for p in predict(MLP, profile, WORKERS, batch_size=128, device_memory=BUDGET) if p.plan == "tensor")
+    tensor = next(p for p in predict(MLP, profile, WORKERS, batch_size=128, device_memory=BUDGET)
+                  if p.plan == "tensor")
+    hybrid = next(p for p in predict(CONV_HEAD, profile, WORKERS, batch_size=128, device_memory=BUDGET)
+                  if p.plan == "hybrid")
+    return {("tensor", "mlp"): tensor, ("hybrid", "conv-head"): hybrid}
 
 
 @pytest.fixture(scope="module")
 def measured() -> list[dict]:
-    """CASES, and the MLP at the tensor plan's largest batch at BUDGET and the next power of two."""
-    largest = tensor_plan_at_the_budget().largest_batch
-    cases = CASES + [("mlp", largest), ("mlp", next_power_of_two(largest))]
+    """CASES, and each plan at its largest batch at BUDGET and the next power of two."""
+    cases = list(CASES)
+    for (plan, network), prediction in plans_at_the_budget().items():
+        largest = prediction.largest_batch
+        cases += [(plan, network, largest), (plan, network, next_power_of_two(largest))]
     return measure_ranks(sorted(set(cases)))
 
 
-@pytest.mark.slow  # two ranks measure six steps with LiveTensorBytes
+@pytest.mark.slow  # two ranks measure a dozen steps with LiveTensorBytes
 @pytest.mark.timeout(RANKS_TIMEOUT_S + 60)
-@pytest.mark.parametrize("network, batch", CASES, ids=[f"{n}-{b}" for n, b in CASES])
-def test_a_tensor_ranks_estimate_is_its_measured_step_peak(measured, network, batch):
-    report = estimate(NETWORKS[network], batch, device="cpu", as_measured=True, parallelism="tensor",
-                      workers=WORKERS)
-    assert report.parallelism == "tensor" and report.workers == WORKERS
-    peaks = [rank[f"{network}/{batch}"] for rank in measured]
+@pytest.mark.parametrize("plan, network, batch", CASES, ids=[case_id(*case) for case in CASES])
+def test_a_ranks_estimate_is_its_measured_step_peak(measured, plan, network, batch):
+    report = estimate(NETWORKS[network], batch, device="cpu", as_measured=True, parallelism=plan, workers=WORKERS)
+    assert report.parallelism == plan and report.workers == WORKERS
+    peaks = [rank[case_id(plan, network, batch)] for rank in measured]
     where = (report.peak_bytes, peaks, report.peak_phase)
     assert max(peaks) == peaks[0], where  # rank 0 holds the most columns, or as many
     if report.peak_phase.startswith("update"):
@@ -125,12 +127,13 @@ def test_a_tensor_ranks_estimate_is_its_measured_step_peak(measured, network, ba
 
 @pytest.mark.slow
 @pytest.mark.timeout(RANKS_TIMEOUT_S + 60)
-def test_the_tensor_plans_largest_batch_trains_within_the_budget_and_the_next_power_of_two_does_not(measured):
-    plan = tensor_plan_at_the_budget()
-    largest, over = plan.largest_batch, next_power_of_two(plan.largest_batch)
-    peak = {batch: max(rank[f"mlp/{batch}"] for rank in measured) for batch in (128, largest, over)}
-    assert plan.fits == (peak[128] <= BUDGET) and plan.fits, (plan.peak_bytes, peak[128])
-    assert largest >= 128 and peak[largest] <= BUDGET < peak[over], (largest, peak)
+@pytest.mark.parametrize("plan, network", [("tensor", "mlp"), ("hybrid", "conv-head")])
+def test_the_plans_largest_batch_trains_within_the_budget_and_the_next_power_of_two_does_not(measured, plan,
+                                                                                               network):
+    prediction = plans_at_the_budget()[(plan, network)]
+    largest, over = prediction.largest_batch, next_power_of_two(prediction.largest_batch)
+    peak = {batch: max(rank[case_id(plan, network, batch)] for rank in measured) for batch in (largest, over)}
+    assert prediction.fits and largest >= 128 and peak[largest] <= BUDGET < peak[over], (largest, peak)
 
 
 def test_what_the_tensor_plan_cannot_train_has_no_tensor_estimate():
@@ -145,7 +148,7 @@ def test_what_the_tensor_plan_cannot_train_has_no_tensor_estimate():
         estimate(MLP, 64, device="cpu", precision="bfloat16", parallelism="tensor", workers=2)
 
 
-def test_memory_command_gives_one_tensor_ranks_peak(capsys):
+def test_memory_command_gives_one_tensor_or_hybrid_ranks_peak(capsys):
     args = ["memory", str(ROOT / "examples" / "mlp_4000.yaml"), "--device", "cpu", "--batch-size", "64"]
     assert main(args + ["--parallelism", "tensor", "--workers", "2", "--json"]) == 0
     answer = json.loads(capsys.readouterr().out)
@@ -156,3 +159,8 @@ def test_memory_command_gives_one_tensor_ranks_peak(capsys):
     assert "one rank of 2 in a tensor-parallel training step" in capsys.readouterr().out
     assert main(args + ["--parallelism", "tensor", "--workers", "1"]) == 2
     assert "--workers" in capsys.readouterr().err
+    assert main(["memory", str(ROOT / "examples" / "lenet_dense_head.yaml"), "--device", "cpu", "--batch-size", "64",
+                 "--parallelism", "hybrid", "--workers", "2", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    expected = estimate(CONV_HEAD, 64, device="cpu", parallelism="hybrid", workers=2)
+    assert answer["parallelism"] == "hybrid" and answer["peak_bytes"] == expected.peak_bytes

@@ -8,6 +8,7 @@ layouts, and the update in both kernels.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from dl4py.cli import main
 from dl4py.errors import ConfigError
 from dl4py.plan.layer_times import LayerTimes, measure_layers
 from dl4py.plan.model import predict
-from dl4py.plan.profile import save_profile
+from dl4py.plan.profile import default_profile_path, save_profile
 from dl4py.plan.work import layer_parts, step_work
 from test_plan_model import device
 
@@ -86,3 +87,21 @@ def test_times_of_another_batch_or_device_are_refused(tmp_path, capsys, monkeypa
     else:  # a machine without one refuses, naming why
         assert code == 2 and "--measure-layers: times the network on this machine, which has no CUDA device" \
             in capsys.readouterr().err
+
+
+def test_a_plan_with_this_machines_own_profile_times_the_network_unless_told_not_to(tmp_path, capsys, monkeypatch):
+    """With this machine's saved profile (no --profile) ``dl4py plan`` times the network here by
+    default, and says so; ``--no-measure-layers`` predicts from the curves alone; a named
+    profile (a device one may not have) is not timed unless asked."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    save_profile(device("cpu"), default_profile_path("cpu"))
+    config = str(ROOT / "examples" / "lenet_mnist.yaml")
+    timed_here = "the network's layers timed here at batch 16"
+    assert main(["plan", config, "--devices", "2", "--batch-size", "16", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert timed_here in json.loads(out)["profile"] and "--no-measure-layers skips it" in err
+    assert main(["plan", config, "--devices", "2", "--batch-size", "16", "--no-measure-layers", "--json"]) == 0
+    assert timed_here not in json.loads(capsys.readouterr().out)["profile"]
+    named = save_profile(device("cpu"), tmp_path / "named.json")
+    assert main(["plan", config, "--devices", "2", "--batch-size", "16", "--profile", str(named), "--json"]) == 0
+    assert timed_here not in json.loads(capsys.readouterr().out)["profile"]

@@ -18,7 +18,7 @@ from dl4py.cli import main
 from dl4py.errors import ConfigError
 from dl4py.memory import estimate
 from dl4py.memory.sharded import sharding_layout
-from dl4py.plan.model import (FOR_LOOP_UPDATE_PASSES, FRESH_PAGES_FROM, L2_PASSES, PAGE_BYTES, PAGE_FAULT_S,
+from dl4py.plan.model import (FOR_LOOP_UPDATE_PASSES, cpu_shares, FRESH_PAGES_FROM, L2_PASSES, PAGE_BYTES, PAGE_FAULT_S,
                              UPDATE_PASSES, predict)
 from dl4py.plan.profile import LOCAL, MEASURED, Curve, DeviceProfile, Link, ShardedCollective, Source, save_profile
 from dl4py.plan.report import recommend
@@ -89,6 +89,23 @@ def test_ranks_on_one_cpu_share_it_and_gpus_do_not():
     # So on one CPU no plan beats one process: the answer is separate experiments or one run.
     chosen, why = recommend(list(on_cpu.values()), step_work(config, 128))
     assert chosen.plan in ("single", "experiments") and "faster than one device" in why
+
+
+def test_ranks_that_do_not_go_round_the_cores_go_at_the_most_crowded_ones_pace_where_they_synchronize():
+    """Three ranks on two cores: over a step's long compute each gets a third of the CPU (the
+    data plans, one exchange a step); the plans that synchronize at every unit or pair wait for
+    a rank that shares its core, a quarter of the CPU. Where the ranks go round, one figure."""
+    assert cpu_shares(3, 2) == (1 / 3, 1 / 4) and cpu_shares(4, 2) == (1 / 4, 1 / 4)
+    assert cpu_shares(2, 2) == (1 / 2, 1 / 2) and cpu_shares(3, 8) == (2 / 8, 2 / 8)  # 2 threads each, 2 idle
+    def at_three_ranks(path, threads):  # threads unknown (None): a third of the CPU for every plan
+        return by_plan(predict(RunConfig.from_file(path), replace(device("cpu"), threads=threads), 3))
+
+    # LeNet: no buffer large enough to fault in anew (whose cost divides by the threads too)
+    crowded, even = at_three_ranks(LENET, 2), at_three_ranks(LENET, None)
+    assert crowded["data-shared"].compute_s == pytest.approx(even["data-shared"].compute_s, rel=1e-12)
+    assert crowded["sharded"].compute_s == pytest.approx(4 / 3 * even["sharded"].compute_s, rel=1e-12)
+    crowded, even = at_three_ranks(MLP, 2), at_three_ranks(MLP, None)
+    assert crowded["tensor"].compute_s == pytest.approx(4 / 3 * even["tensor"].compute_s, rel=1e-12)
 
 
 def test_tensor_parallelism_splits_the_dense_pair_and_moves_its_activations():

@@ -17,7 +17,7 @@
                              [--parallelism data|sharded --workers N]
                              [--device-memory 80GB | --device cuda:0|cpu] [--json]
     dl4py plan CONFIG.yaml --devices N [--device-memory 24GiB] [--batch-size N] [--precision P]
-                           [--profile FILE|GPU] [--measure-layers] [--json]
+                           [--profile FILE|GPU] [--[no-]measure-layers] [--json]
     dl4py plan --profile [--device cpu|cuda] [--devices N] [--budget S] [--output FILE]
     dl4py sweep CONFIG.yaml --grid key=v1,v2,... [--random N --range key=lo:hi[:log]]
                             [--sampler grid|random|tpe --trials N --prune median|none]
@@ -138,7 +138,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="the plan whose one rank is estimated (default: the config's training.parallelism): "
                              "data, a whole replica; sharded, one of --workers ranks training sharded (FSDP2), "
                              "each on its own batch; tensor, one of --workers ranks, its dense pairs split; "
-                             "hybrid is estimated as a whole replica")
+                             "hybrid, one of --workers ranks, each on its own batch, gathered at the first "
+                             "dense layer")
     memory.add_argument("--workers", type=int, help="ranks a sharded step is split over (default: training.workers)")
     memory.add_argument("--json", action="store_true")
 
@@ -157,9 +158,10 @@ def _parser() -> argparse.ArgumentParser:
                                        "measured profile a plan reads by default")
     plan.add_argument("--budget", type=float, default=60.0, help="seconds --profile may take (default 60)")
     plan.add_argument("--output", help="where --profile saves (default: dl4py's cache folder)")
-    plan.add_argument("--measure-layers", action="store_true",
+    plan.add_argument("--measure-layers", action=argparse.BooleanOptionalAction, default=None,
                       help="time the network itself on this machine's device of the profile's kind (seconds) "
-                           "and predict from its measured step in place of the profile's curves")
+                           "and predict from its measured step in place of the profile's curves (default: on "
+                           "with this machine's own profile, off with --profile)")
     plan.add_argument("--json", action="store_true")
 
     sweep = sub.add_parser("sweep", help="run a grid (or random sample) of configs, several processes per device")
@@ -532,18 +534,18 @@ def _memory_device(args):
 
 def _memory_plan(args, config) -> dict:
     """The estimator's options for the plan ``dl4py memory`` answers for: ``--parallelism``,
-    else the config's plan. Sharded and tensor: one of ``--workers`` ranks; the config's data
-    plan over several workers, one worker (its replica's step and the flat buffer it meets the
-    others in); else (hybrid, not modelled per rank yet) a whole replica, as on one device."""
+    else the config's plan. Sharded, tensor and hybrid: one of ``--workers`` ranks; the config's
+    data plan over several workers, one worker (its replica's step and the flat buffer it meets
+    the others in); else a whole replica, as on one device."""
     from dl4py.config.parallel import note_deprecated
     from dl4py.errors import ConfigError
 
     kind = args.parallelism or config.training.plan().kind
     if kind == "single":
         note_deprecated("--parallelism single", "--parallelism data")
-    if kind not in ("sharded", "tensor"):
+    if kind not in ("sharded", "tensor", "hybrid"):
         if args.workers is not None:
-            raise ConfigError("--workers", "applies to --parallelism sharded and tensor only")
+            raise ConfigError("--workers", "applies to --parallelism sharded, tensor and hybrid only")
         workers = config.training.workers
         if kind == "data" and args.parallelism is None and isinstance(workers, int) and workers > 1:
             # the config's data-parallel worker: its step and the flat buffer its replica meets in

@@ -28,7 +28,7 @@ from dl4py.memory.op import Op
 from dl4py.memory.sharded import estimate_sharded
 from dl4py.memory.step_graph import StepGraph, chain_graph
 from dl4py.memory.step_report import LayerMemory, MemoryReport, replayed_fields
-from dl4py.memory.tensor import rank_network, tensor_rank_graph
+from dl4py.memory.tensor import gather_layer, hybrid_rank_graph, rank_network, tensor_rank_graph
 from dl4py.memory.step_sizes import (
     MAX_TENSOR_ELEMENTS,
     MiB,
@@ -70,7 +70,8 @@ def estimate(config, batch_size: int, precision: str | None = None, updater: Upd
     worker's, whose replicas meet in a flat buffer: ``_exchange``); ``"sharded"`` with
     ``workers=N``, one of N ranks training sharded (FSDP2), each on a batch of ``batch_size``
     (``memory.sharded``); ``"tensor"``, one of N ranks training the same batch with its dense
-    pairs split (``memory.tensor``).
+    pairs split (``memory.tensor``); ``"hybrid"``, one of N ranks each on a batch of its own
+    up to the first dense layer, there gathered, the dense pairs split on the gathered rows.
     """
     sync = parallelism.sync if isinstance(parallelism, ParallelPlan) else "averaging"
     if isinstance(parallelism, ParallelPlan):
@@ -84,28 +85,35 @@ def estimate(config, batch_size: int, precision: str | None = None, updater: Upd
         return estimate_sharded(config, batch_size, workers, precision, updater, device, optimizer,
                                 data_bytes, as_measured)
     network, run_precision = network_of(config)
-    if parallelism == "tensor":
+    if parallelism in ("tensor", "hybrid"):
         if not training:
-            raise ConfigError("parallelism", "tensor is a way to train; estimate inference with data")
+            raise ConfigError("parallelism", f"{parallelism} is a way to train; estimate inference with data")
         policy = resolve_precision(precision or run_precision or "float")
         if policy.master_weights or policy.uses_loss_scaling:  # distributed_state.check_precision's rule
-            raise ConfigError("precision", f"dl4py's tensor plan trains float, double and mixed-bf16; "
+            raise ConfigError("precision", f"dl4py's {parallelism} plan trains float, double and mixed-bf16; "
                                            f"{policy.name} (float32 masters or loss scaling) it does not yet")
+        narrowed = rank_network(network, workers, parallelism)
+        if parallelism == "tensor":
+            edit, summed_before = tensor_rank_graph(network, workers), None
+        else:  # the layers before the gather train apart: their gradients summed in a flat buffer
+            edit, summed_before = hybrid_rank_graph(network, workers), gather_layer(network)
         # the DTensors are stepped by the for-loop kernel (parallel/tensor_parallel.py)
-        report = _replica(rank_network(network, workers), run_precision, batch_size, precision, updater, True,
-                          device, "loop", data_bytes, as_measured, 1, sync, tensor_rank_graph(network, workers))
-        return replace(report, parallelism="tensor", workers=workers)
+        report = _replica(narrowed, run_precision, batch_size, precision, updater, True, device, "loop", data_bytes,
+                          as_measured, 1, sync, edit, summed_before)
+        return replace(report, parallelism=parallelism, workers=workers)
     if parallelism != "data":
-        raise ConfigError("parallelism", f"must be data, sharded or tensor (hybrid ranks are not modelled "
-                                         f"yet), got {parallelism!r}")
+        raise ConfigError("parallelism", f"must be data, sharded, tensor or hybrid, got {parallelism!r}")
     return _replica(network, run_precision, batch_size, precision, updater, training, device, optimizer, data_bytes,
                     as_measured, workers, sync)
 
 
 def _replica(network, run_precision, batch_size: int, precision, updater, training: bool, device, optimizer: str,
-             data_bytes: int, as_measured: bool, workers: int, sync: str, edit_graph=None) -> MemoryReport:
+             data_bytes: int, as_measured: bool, workers: int, sync: str, edit_graph=None,
+             summed_before: int | None = None) -> MemoryReport:
     """One whole replica's step (``estimate``'s data plan), its operators' graph changed by
-    ``edit_graph`` where a plan's rank runs them otherwise (``memory.tensor``)."""
+    ``edit_graph`` where a plan's rank runs them otherwise (``memory.tensor``), and the
+    gradients of the layers before ``summed_before`` summed over the ranks in a flat buffer
+    after the backward pass (the hybrid's)."""
     check_batch_size(batch_size)
     policy = resolve_precision(precision or run_precision or "float")
     device_type = torch.device(device).type
@@ -123,6 +131,9 @@ def _replica(network, run_precision, batch_size: int, precision, updater, traini
         replay.backward(step, in_place_accumulation=not as_measured)
         if workers > 1 and sync == "shared_gradients":
             _exchange(timeline, graph.ops, updater_bytes, sizes, sync)
+        if summed_before is not None:
+            _exchange(timeline, [op for op in graph.ops if op.layer < summed_before], updater_bytes, sizes,
+                      "shared_gradients")
         replay.update(graph.ops, updater, implementation, sizes, timeline)
         if workers > 1 and sync == "averaging":
             _exchange(timeline, graph.ops, updater_bytes, sizes, sync)

@@ -53,6 +53,12 @@ def _heading(report: MemoryReport) -> list[str]:
                 f"{report.updater}{update}, on {report.device_type}",
                 "Each pair of hidden dense layers is split: the first by output columns, the second by "
                 "input rows. The table shows one rank's layers.", ""]
+    if report.parallelism == "hybrid":
+        return [f"Memory of one rank of {report.workers:,} in a hybrid training step: batch "
+                f"{report.batch_size:,} per rank, gathered from all ranks at the first dense layer, "
+                f"precision {report.precision}, updater {report.updater}{update}, on {report.device_type}",
+                "The layers before it train apart; from there each pair of hidden dense layers is split "
+                "as in the tensor plan. The table shows one rank's layers.", ""]
     mode = "training step" if report.training else "inference"
     return [f"Memory of one {mode}: batch {report.batch_size:,}, precision {report.precision}, "
             f"updater {report.updater}{update}, on {report.device_type}", ""]

@@ -1,5 +1,5 @@
-"""Per-rank memory of tensor-parallel training (``training.parallelism: tensor``: dl4py's
-Megatron MLP, ``parallel/tensor_parallel.py``).
+"""Per-rank memory of tensor-parallel and hybrid training (``training.parallelism: tensor``,
+dl4py's Megatron MLP, and ``hybrid``, Krizhevsky's; ``parallel/tensor_parallel.py``).
 
 Every rank trains the same batch, and each pair of consecutive hidden dense layers is split
 over the W ranks: the first by output columns, the second by input rows. So one rank's
@@ -12,10 +12,13 @@ replicated. The distributed plans step their DTensors with the for-loop kernel
 (``optimizer="loop"``), whose temporaries set the MLP's peak at small batches; at large ones
 the peak is in the row-parallel layer's backward (``tensor_rank_graph``).
 
+A hybrid rank trains the layers before the first dense one on its own rows and the rest as
+a tensor rank on all ranks' rows (``hybrid_rank_graph``).
+
 Checked against ``LiveTensorBytes`` on 2 gloo ranks (``tests/test_memory_tensor.py``): the
-MLP 784-4000-4000-10 and LeNet's convolutions with a 2048-2048 dense head, to 4 bytes where
-the update sets the peak and within ``TOLERANCE`` where the backward does (the MLP at batch
-2048: 0.3% under; the convolutional one at 1024: 0.05% over).
+MLP 784-4000-4000-10 and LeNet's convolutions with a 2048-2048 dense head, to 4 bytes (the
+loss's scalar) where the update sets the peak and within ``TOLERANCE`` where the backward
+does: there the estimate was 0.02-0.08% over every measurement, at batches up to 4,298.
 """
 
 from __future__ import annotations
@@ -52,20 +55,31 @@ def dense_pairs(network) -> list[tuple[int, int]]:
     return pairs
 
 
-def rank_network(network, workers: int):
-    """The network as one of ``workers`` tensor-parallel ranks holds it: the first layer of each
-    dense pair narrowed to rank 0's columns. A ConfigError where there is no pair to split."""
+def rank_network(network, workers: int, plan: str = "tensor"):
+    """The network as one of ``workers`` ranks of the tensor (or hybrid) plan holds it: the
+    first layer of each dense pair narrowed to rank 0's columns. A ConfigError where there is
+    no pair to split."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 2:
-        raise ConfigError("workers", f"tensor parallelism needs 2 or more workers, got {workers!r}")
+        raise ConfigError("workers", f"{plan} parallelism needs 2 or more workers, got {workers!r}")
     if isinstance(network, GraphConfig):
-        raise ConfigError("parallelism", "tensor splits the dense layers of a MultiLayerNetwork; this is a graph")
+        raise ConfigError("parallelism", f"{plan} splits the dense layers of a MultiLayerNetwork; this is a graph")
     pairs = dense_pairs(network)
     if not pairs:
-        raise ConfigError("parallelism", f"tensor: {NO_PAIRS}")
+        raise ConfigError("parallelism", f"{plan}: {NO_PAIRS}")
     layers = list(network.layers)
     for first, _ in pairs:
         layers[first] = replace(layers[first], n_out=-(-layers[first].n_out // workers))
     return replace(network, layers=layers)
+
+
+def gather_layer(network) -> int:
+    """Index of the first dense layer, where the hybrid gathers the ranks' rows (the config's
+    ``gather_point``); a ConfigError where no layer comes before it to train apart."""
+    first = next((i for i, layer in enumerate(network.layers)
+                  if type(layer).__name__ in ("DenseLayer", "OutputLayer")), None)
+    if not first:
+        raise ConfigError("parallelism", "hybrid: the hybrid needs layers before the first dense layer to train apart")
+    return first
 
 
 def tensor_rank_graph(network, workers: int):
@@ -79,19 +93,73 @@ def tensor_rank_graph(network, workers: int):
     seconds = {second for _, second in dense_pairs(network)}
 
     def edit(graph: StepGraph) -> StepGraph:
-        nodes, moved = [], {}
-        for j, node in enumerate(graph.nodes):
-            sources = tuple(moved.get(k, k) for k in node.sources)
-            if node.op.layer in seconds and node.op.name == "linear":
-                widths = node.op.out_elements + graph.nodes[node.sources[0]].op.out_elements
-                nodes.append(replace(node, sources=sources, scratch_elements=node.scratch_elements + widths))
-                reduced = Op(node.op.layer, "all_reduce", node.op.out_elements, False, False,
-                             backward_scratch_elements=2 * node.op.out_elements)
-                nodes.append(Node(reduced, (len(nodes) - 1,)))
-            else:
-                nodes.append(replace(node, sources=sources))
-            moved[j] = len(nodes) - 1
-        losses = tuple(replace(head, node=moved[head.node]) for head in graph.losses)
-        return replace(graph, nodes=tuple(nodes), losses=losses)
+        def rewrite(j: int, node: Node) -> list[Node]:
+            if node.op.layer not in seconds or node.op.name != "linear":
+                return [node]
+            widths = node.op.out_elements + graph.nodes[node.sources[0]].op.out_elements
+            reduced = Op(node.op.layer, "all_reduce", node.op.out_elements, False, False,
+                         backward_scratch_elements=2 * node.op.out_elements)
+            return [replace(node, scratch_elements=node.scratch_elements + widths), Node(reduced, ())]
+
+        return _rewired(graph, rewrite)
 
     return edit
+
+
+def hybrid_rank_graph(network, workers: int):
+    """A hybrid rank's step (``parallel/tensor_parallel.py``): the layers before the first dense
+    one on its own rows; there its rows gathered, a padded copy and every rank's part kept
+    beside their concatenation until the gather returns; from there on, the dense layers as
+    the tensor plan's on all W ranks' rows (per example, W times the sizes), the loss on the
+    gathered rows. Backward, its rows' gradient is a slice of the whole one, which lives
+    until the layer before the gather has used it."""
+    gather = gather_layer(network)
+    pairs_edit = tensor_rank_graph(network, workers)
+
+    def edit(graph: StepGraph) -> StepGraph:
+        graph = pairs_edit(graph)
+        first = next(j for j, node in enumerate(graph.nodes) if node.op.layer >= gather)
+        rows = graph.nodes[first - 1].op.out_elements  # a chain: the node before gives the rows
+
+        def rewrite(j: int, node: Node) -> list[Node]:
+            if j < first:
+                return [node]
+            node = _per_example_times(node, workers)
+            if j > first:
+                return [node]
+            buffers = Op(gather, "gather_buffers", (1 + workers) * rows, False, False, input_gradient="same")
+            gathered = Op(gather, "gather_rows", workers * rows, False, False, input_gradient="same")
+            return [Node(buffers, ()), Node(gathered, ()), node]
+
+        rewired = _rewired(graph, rewrite)
+        # the scores of all W ranks' rows; the labels held are the rank's own (the gathered ones
+        # live only while the loss is computed, under no_grad)
+        return replace(rewired, losses=tuple(replace(head, classes=head.classes * workers)
+                                             for head in rewired.losses))
+
+    return edit
+
+
+def _rewired(graph: StepGraph, rewrite) -> StepGraph:
+    """``graph`` with each node j replaced by the nodes ``rewrite(j, node)`` returns, in a chain:
+    the first reads node j's sources, each next one the one before, and the last stands for
+    node j (its readers and its loss read it); every source renumbered."""
+    nodes, moved = [], {}
+    for j, node in enumerate(graph.nodes):
+        sources = tuple(moved.get(k, k) for k in node.sources)
+        for position, new in enumerate(rewrite(j, node)):
+            nodes.append(replace(new, sources=sources if position == 0 else (len(nodes) - 1,)))
+        moved[j] = len(nodes) - 1
+    return replace(graph, nodes=tuple(nodes), losses=tuple(replace(head, node=moved[head.node])
+                                                            for head in graph.losses))
+
+
+def _per_example_times(node: Node, factor: int) -> Node:
+    """``node`` on ``factor`` times the examples: its per-example sizes times ``factor``."""
+    op = node.op
+    op = replace(op, out_elements=op.out_elements * factor, extra_bytes=op.extra_bytes * factor,
+                 aligned_bytes=tuple(b * factor for b in op.aligned_bytes),
+                 backward_scratch_elements=op.backward_scratch_elements * factor,
+                 backward_scratch_bytes=op.backward_scratch_bytes * factor)
+    return replace(node, op=op, scratch_elements=node.scratch_elements * factor,
+                   scratch_bytes=node.scratch_bytes * factor)

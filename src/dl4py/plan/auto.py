@@ -205,9 +205,9 @@ def _names_of(plan: ParallelPlan | None) -> set[str]:
 
 def _trainable(prediction: Prediction, names: set[str] | None, single_allowed: bool, fits_known: bool) -> bool:
     """Whether the run may train by ``prediction``: admitted, a way to train one run, asked
-    for, and known to fit where the estimator can tell (the hybrid plan's memory is not
-    estimated yet: beside plans known to fit it is not chosen, since a run that does not fit is
-    what auto must avoid)."""
+    for, and known to fit where the estimator can tell (a plan it cannot estimate, such as a
+    16-bit tensor plan, is not chosen beside plans known to fit, since a run that does not fit
+    is what auto must avoid)."""
     if not prediction.admitted or prediction.plan == "experiments":
         return False
     if prediction.fits is False or (prediction.fits is None and fits_known):

@@ -4,6 +4,7 @@ to train it with on how many devices (docs/plan.md)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -52,15 +53,23 @@ def run(args) -> int:
 
 
 def _layer_times(args, config, profile: DeviceProfile) -> LayerTimes | None:
-    """``--measure-layers``: the network timed on this machine's device of the profile's kind."""
-    if not args.measure_layers:
+    """``--measure-layers``: the network timed on this machine's device of the profile's kind.
+    By default on where the plan is for this machine (its own saved profile, no ``--profile``)
+    and there is a batch size to time at: seconds, for predictions within 30% of the measured
+    steps where the profile's curves alone missed a third of them (benchmarks/results/plan-cpu.md)."""
+    asked = args.measure_layers
+    batch = args.batch_size if args.batch_size is not None else config.training.batch_size
+    if asked is None:
+        asked = args.profile is None and isinstance(batch, int)
+    if not asked:
         return None
     if profile.kind == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--measure-layers", f"times the network on this machine, which has no CUDA device; "
                                               f"the profile is of one ({profile.name}): leave it out there")
-    batch = args.batch_size if args.batch_size is not None else config.training.batch_size
     if not isinstance(batch, int):
         raise ConfigError("--batch-size", f"the config's batch size is {batch!r}: give a number to time the layers at")
+    print(f"dl4py plan: timing the network on this machine at batch {batch} (seconds; --no-measure-layers "
+          "skips it)", file=sys.stderr, flush=True)
     return measure_layers(config, batch, args.precision, device=args.device or profile.kind)
 
 

@@ -7,7 +7,8 @@ bandwidth, a dispatch for each kernel, and the update (the parameters, their gra
 updater state read and written once by a fused kernel, once per operator by the for-loop one the
 distributed plans use); on a CPU, the page faults of the buffers too large for the allocator to
 keep, made anew every step. Where ranks share a device (CPU ranks on one machine),
-each has its share of it. Communication is each plan's collectives, timed by the device's
+each has its share of it (``cpu_shares``: the most crowded core's, for the plans that
+synchronize at every unit or pair). Communication is each plan's collectives, timed by the device's
 fitted links (``Link.seconds``: latency plus bytes over bandwidth), plus the copies around
 them (averaging's flat buffer, FSDP2's buffers), with no overlap: dl4py's
 data-parallel modes exchange after the backward pass, and the sharded, tensor and hybrid plans
@@ -157,8 +158,9 @@ class _Cost:
         self.for_loop_passes = FOR_LOOP_UPDATE_PASSES.get(updater, self.update_passes) + (
             L2_PASSES if getattr(network, "l2", 0) else 0)
         self.state_copies = STATE_COPIES.get(updater, 1)
-        # Ranks on one CPU machine share its cores; GPUs are a device each.
-        self.share = 1.0 / workers if profile.kind == "cpu" else 1.0
+        # Ranks on one CPU machine share its cores; GPUs are a device each. ``synced_share``: the
+        # plans that synchronize within a step (at each unit or pair) go at their slowest rank's pace.
+        self.share, self.synced_share = cpu_shares(workers, profile.threads) if profile.kind == "cpu" else (1.0, 1.0)
 
     def work(self, batch: int) -> StepWork:
         """The step's work at ``batch``, counted once for every plan that asks (each counts the
@@ -303,12 +305,13 @@ class _Cost:
             # into its send buffer and the gathered unit out into the parameters; the unit's
             # gradients into the reduce-scatter's input (its chunk_cat).
             copied += 2 * 2 * (part + self.workers * part) + (2 * self.workers * part if trains else 0)
-        seconds += copied / self.profile.memory_bandwidth / self.share
+        seconds += copied / self.profile.memory_bandwidth / self.synced_share
         if self.layer_times is not None and self.layer_times.sharded_overhead_s is not None:
             # FSDP2's hooks, copies and DTensor update, measured (their Python runs on one thread a rank)
             seconds += self.layer_times.sharded_overhead_s
         return Prediction("sharded", self.workers, True, batch_per_rank=batch, samples_per_step=batch * self.workers,
-                          compute_s=self.compute(work.layers, whole_gradients=False, distributed=True),
+                          compute_s=self.compute(work.layers, share=self.synced_share, whole_gradients=False,
+                                                 distributed=True),
                           communication_s=seconds, moved_bytes=moved)
 
     def _shards(self, work: StepWork) -> list[tuple[int, bool]]:
@@ -331,7 +334,8 @@ class _Cost:
         seconds, moved = self._pair_exchanges(work, pairs, rows=1)
         # Every rank trains the same batch: a step is one batch, on a share of the device each.
         return Prediction("tensor", self.workers, True, batch_per_rank=batch, samples_per_step=batch,
-                          compute_s=self.compute(work.layers, flop_scale=split, distributed=True),
+                          compute_s=self.compute(work.layers, share=self.synced_share, flop_scale=split,
+                                                 distributed=True),
                           communication_s=seconds, moved_bytes=moved)
 
     def hybrid(self, batch: int) -> Prediction:
@@ -358,7 +362,8 @@ class _Cost:
         return Prediction("hybrid", self.workers, True, batch_per_rank=batch, samples_per_step=batch * self.workers,
                           # the layers before the dense ones as they are; the update is of the
                           # parameters a rank holds, whatever its batch
-                          compute_s=self.compute(work.layers, flop_scale=dense_scale, distributed=True, held=split),
+                          compute_s=self.compute(work.layers, share=self.synced_share, flop_scale=dense_scale,
+                                                 distributed=True, held=split),
                           communication_s=seconds, moved_bytes=int(2 * gathered + conv_bytes + pair_bytes))
 
     def experiments(self, batch: int) -> Prediction:
@@ -376,6 +381,22 @@ class _Cost:
             seconds += self.exchange("all_reduce", out_bytes) + self.exchange("all_reduce", in_bytes)
             moved += out_bytes + in_bytes
         return seconds, moved
+
+
+def cpu_shares(workers: int, threads: int | None) -> tuple[float, float]:
+    """(a rank's share of the CPU on average, the slowest rank's) for ``workers`` ranks on a CPU
+    of ``threads``, each given its ``threads // workers`` threads where they go round (dl4py's
+    ``worker_threads``; what is left over idles), else one each, several ranks to a core. Over a
+    long stretch of compute the kernel moves ranks between cores and each gets 1 / workers; a
+    plan that synchronizes at every unit goes at the pace of a rank sharing its core with the
+    most others: 1 / (threads * ceil(workers / threads)). Three ranks on the benchmark's two
+    cores: 1/3 and 1/4."""
+    if not threads:
+        return 1.0 / workers, 1.0 / workers
+    if workers <= threads:
+        each = (threads // workers) / threads
+        return each, each
+    return 1.0 / workers, 1.0 / (threads * -(-workers // threads))
 
 
 def _input_elements(work: StepWork, index: int) -> int:
@@ -409,15 +430,12 @@ def _with_memory(prediction: Prediction, network, precision: str, profile: Devic
     return replace(prediction, peak_bytes=peak, fits=fits, largest_batch=largest)
 
 
-def _estimate_options(plan: str, workers: int) -> dict | None:
-    """The memory estimator's options for one device of ``plan``; None where dl4py has no
-    estimate for the plan (hybrid). Each with ``as_measured``: a gradient's parts where its
+def _estimate_options(plan: str, workers: int) -> dict:
+    """The memory estimator's options for one device of ``plan``, each with ``as_measured``: a gradient's parts where its
     tensor forks (a split layer's blocks, a graph's shared input) added out of place, which
     is what LiveTensorBytes sees and never less than autograd's in-place adding of a plain
     step (the sharded MLP at batch 2048: 286 MB against 262), so that a "fits" holds either way."""
-    if plan == "hybrid":
-        return None
-    if plan in ("sharded", "tensor"):
+    if plan in ("sharded", "tensor", "hybrid"):
         return {"parallelism": plan, "workers": workers, "as_measured": True}
     if plan in DATA_SYNC:  # a worker's replica and the flat buffer its exchange makes
         return {"parallelism": ParallelPlan("data", sync=DATA_SYNC[plan]), "workers": workers, "as_measured": True}
@@ -425,22 +443,19 @@ def _estimate_options(plan: str, workers: int) -> dict | None:
 
 
 def _peak(plan: str, network, batch: int, workers: int, precision: str, device: str) -> int | None:
-    """Bytes one device holds at the step's peak; None where dl4py has no estimate for the plan
-    or the estimator cannot model the network."""
-    options = _estimate_options(plan, workers)
-    if options is None:
-        return None
+    """Bytes one device holds at the step's peak; None where the estimator cannot model the
+    network or precision for the plan (a graph sharded, a 16-bit tensor plan)."""
     try:
-        report = estimate(network, batch, precision, device=device, **options)
+        report = estimate(network, batch, precision, device=device, **_estimate_options(plan, workers))
     except ConfigError:
         return None
     return math.ceil(report.needed_bytes(True) / (1 - _margin(plan))) + _kept_copy(plan, report, device)
 
 
 def _margin(plan: str) -> float:
-    """The fraction of a device a plan's estimate leaves free: the tensor estimate's tolerance
-    (``memory.tensor``); the others are exact on a CPU."""
-    return TENSOR_TOLERANCE if plan == "tensor" else 0.0
+    """The fraction of a device a plan's estimate leaves free: the tensor and hybrid estimates'
+    tolerance (``memory.tensor``); the others are exact on a CPU."""
+    return TENSOR_TOLERANCE if plan in ("tensor", "hybrid") else 0.0
 
 
 def _kept_copy(plan: str, report, device: str) -> int:

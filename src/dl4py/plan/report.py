@@ -16,7 +16,7 @@ def recommend(predictions: list[Prediction], work: StepWork) -> tuple[Prediction
     """The plan to train with and why, in one sentence."""
     single = predictions[0]
     trainable = [p for p in predictions if p.admitted and p.plan != "experiments"]
-    # Known to fit first; a plan whose memory is not estimated (hybrid) only where none is.
+    # Known to fit first; a plan whose memory is not estimated (a graph sharded) only where none is.
     candidates = [p for p in trainable if p.fits is True or p.fits is None and single.fits is None] or \
                  [p for p in trainable if p.fits is None]
     if not candidates:
