@@ -48,9 +48,9 @@ def sharded_collective_seconds(rank: int, world: int, target: torch.device, repe
                 dist.barrier(**peers)  # start together: the timed steps, not a late rank's start-up
                 samples[name] += _step_seconds(mesh, target, repeats)
     finally:
-        # FSDP2's modules hold their mesh's group in reference cycles: collected here, not at
-        # the interpreter's exit, where freeing a gloo group aborts the process ("terminate
-        # called without an active exception") about one run in three
+        # FSDP2's modules hold their mesh's group in reference cycles: collect them while the
+        # groups exist, then let go of the group of one (the measurement's rank program still
+        # leaves by os._exit: freeing gloo's groups at the interpreter's exit can abort it)
         del meshes
         gc.collect()
         dist.destroy_process_group(alone)
