@@ -140,7 +140,8 @@ def _parser() -> argparse.ArgumentParser:
                              "each on its own batch; tensor, one of --workers ranks, its dense pairs split; "
                              "hybrid, one of --workers ranks, each on its own batch, gathered at the first "
                              "dense layer")
-    memory.add_argument("--workers", type=int, help="ranks a sharded step is split over (default: training.workers)")
+    memory.add_argument("--workers", type=int, help="ranks a sharded, tensor or hybrid step is split over (default: "
+                                                    "training.workers)")
     memory.add_argument("--json", action="store_true")
 
     plan = sub.add_parser("plan", help="which parallelism, on how many devices: each plan's memory and time "

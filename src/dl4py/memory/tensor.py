@@ -34,6 +34,7 @@ from dl4py.memory.step_graph import Node, StepGraph
 # keeps it free, so that a tensor plan's "fits" holds.
 TOLERANCE = 0.01
 NO_PAIRS = "no two hidden dense layers in a row to split (the tensor plans split dense pairs)"
+NOTHING_APART = "the hybrid needs layers before the first dense layer to train apart"
 
 
 def dense_pairs(network) -> list[tuple[int, int]]:
@@ -72,13 +73,18 @@ def rank_network(network, workers: int, plan: str = "tensor"):
     return replace(network, layers=layers)
 
 
+def first_dense_layer(network) -> int | None:
+    """Index of a MultiLayerNetwork config's first dense layer (DenseLayer or OutputLayer),
+    where the hybrid gathers the ranks' rows (``gather_point``'s rule, on the config)."""
+    return next((i for i, layer in enumerate(network.layers)
+                 if type(layer).__name__ in ("DenseLayer", "OutputLayer")), None)
+
+
 def gather_layer(network) -> int:
-    """Index of the first dense layer, where the hybrid gathers the ranks' rows (the config's
-    ``gather_point``); a ConfigError where no layer comes before it to train apart."""
-    first = next((i for i, layer in enumerate(network.layers)
-                  if type(layer).__name__ in ("DenseLayer", "OutputLayer")), None)
+    """``first_dense_layer``; a ConfigError where no layer comes before it to train apart."""
+    first = first_dense_layer(network)
     if not first:
-        raise ConfigError("parallelism", "hybrid: the hybrid needs layers before the first dense layer to train apart")
+        raise ConfigError("parallelism", f"hybrid: {NOTHING_APART}")
     return first
 
 

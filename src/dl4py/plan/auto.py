@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from dl4py.config.parallel import AUTO, ParallelPlan
 from dl4py.errors import ConfigError
+from dl4py.parallel.threads import usable_cores
 from dl4py.plan.builtin_profiles import PUBLISHED, builtin_profile
 from dl4py.plan.measure import measure_profile
 from dl4py.plan.model import Prediction, predict
@@ -96,7 +97,7 @@ def choose(config, device: torch.device, launcher: str, world: int | None = None
         raise ConfigError("training.batch_size", "is auto, and so is the plan: the largest batch depends on the "
                                                  "plan and the plan on the batch; give the batch size a number "
                                                  "(dl4py plan CONFIG --batch-size B reports each plan's largest)")
-    plan_auto = training.parallelism is not None and training.parallelism.kind == AUTO
+    plan_auto = training.plan_is_auto
     # parallelism: auto with the workers left at 1 (their default) chooses the count too.
     workers_auto = world is None and (training.workers == AUTO or plan_auto and training.workers == 1)
     if workers_auto and launcher == "spark":
@@ -184,8 +185,7 @@ def _counts(workers_auto: bool, workers, device: torch.device, world: int | None
     if device.type == "cuda":
         most = max(torch.cuda.device_count(), 1)
     else:
-        most = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
-                   MOST_CPU_RANKS)
+        most = min(usable_cores(), MOST_CPU_RANKS)
     return list(range(1, most + 1))
 
 

@@ -45,7 +45,7 @@ from dl4py.memory.capacity import max_batch_size
 from dl4py.memory.estimate import estimate
 from dl4py.memory.sharded import sharding_layout
 from dl4py.memory.step_sizes import network_of
-from dl4py.memory.tensor import NO_PAIRS, dense_pairs, TOLERANCE as TENSOR_TOLERANCE
+from dl4py.memory.tensor import NO_PAIRS, NOTHING_APART, TOLERANCE as TENSOR_TOLERANCE, dense_pairs, first_dense_layer
 from dl4py.plan.layer_times import LayerTimes
 from dl4py.plan.profile import DeviceProfile
 from dl4py.plan.work import LayerWork, StepWork, step_work
@@ -339,15 +339,13 @@ class _Cost:
                           communication_s=seconds, moved_bytes=moved)
 
     def hybrid(self, batch: int) -> Prediction:
+        if isinstance(self.network, GraphConfig):
+            return Prediction("hybrid", self.workers, False, "dl4py's hybrid is for a MultiLayerNetwork; this is a graph")
         work = self.work(batch)
         pairs = dense_pairs(self.network)
-        first_dense = next((layer.index for layer in work.layers if layer.type_name.startswith(("dense", "output"))),
-                           None)
-        if not pairs or first_dense is None or first_dense == 0:
-            why = NO_PAIRS if not pairs else "the hybrid needs layers before the first dense layer to train apart"
-            if isinstance(self.network, GraphConfig):
-                why = "dl4py's hybrid is for a MultiLayerNetwork; this is a graph"
-            return Prediction("hybrid", self.workers, False, why)
+        first_dense = first_dense_layer(self.network)
+        if not pairs or not first_dense:
+            return Prediction("hybrid", self.workers, False, NO_PAIRS if not pairs else NOTHING_APART)
         before = [layer for layer in work.layers if layer.index < first_dense]
         after = [layer for layer in work.layers if layer.index >= first_dense]
         split = {index: 1.0 / self.workers for pair in pairs for index in pair}
@@ -422,34 +420,32 @@ def _with_memory(prediction: Prediction, network, precision: str, profile: Devic
     """The plan's peak per device from the memory estimator, whether it fits, and the largest batch."""
     if not prediction.admitted:
         return prediction
-    peak = _peak(prediction.plan, network, prediction.batch_per_rank, prediction.workers, precision, profile.kind)
-    if peak is None or device_memory is None:
+    plan, device = prediction.plan, profile.kind
+    options = _estimate_options(plan, prediction.workers)
+    try:
+        report = estimate(network, prediction.batch_per_rank, precision, device=device, **options)
+    except ConfigError:  # a network or precision the estimator does not model for the plan
+        return prediction
+    kept = _kept_copy(plan, report, device)  # the same at any batch
+    peak = math.ceil(report.needed_bytes(True) / (1 - _margin(plan))) + kept
+    if device_memory is None:
         return replace(prediction, peak_bytes=peak)
-    fits = peak <= device_memory
-    largest = _largest_batch(prediction.plan, network, prediction.workers, precision, profile.kind, device_memory)
-    return replace(prediction, peak_bytes=peak, fits=fits, largest_batch=largest)
+    # the largest batch as ``dl4py memory`` finds it, less what the plan counts besides the estimate
+    largest = max_batch_size(network, device_memory - kept, precision, device=device, margin=_margin(plan), **options)
+    return replace(prediction, peak_bytes=peak, fits=peak <= device_memory, largest_batch=largest)
 
 
 def _estimate_options(plan: str, workers: int) -> dict:
-    """The memory estimator's options for one device of ``plan``, each with ``as_measured``: a gradient's parts where its
-    tensor forks (a split layer's blocks, a graph's shared input) added out of place, which
-    is what LiveTensorBytes sees and never less than autograd's in-place adding of a plain
-    step (the sharded MLP at batch 2048: 286 MB against 262), so that a "fits" holds either way."""
+    """The memory estimator's options for one device of ``plan``, each with ``as_measured``: a
+    gradient's parts where its tensor forks (a split layer's blocks, a graph's shared input)
+    added out of place, which is what LiveTensorBytes sees and never less than autograd's
+    in-place adding of a plain step (the sharded MLP at batch 2048: 286 MB against 262), so
+    that a "fits" holds either way."""
     if plan in ("sharded", "tensor", "hybrid"):
         return {"parallelism": plan, "workers": workers, "as_measured": True}
     if plan in DATA_SYNC:  # a worker's replica and the flat buffer its exchange makes
         return {"parallelism": ParallelPlan("data", sync=DATA_SYNC[plan]), "workers": workers, "as_measured": True}
     return {"as_measured": True}
-
-
-def _peak(plan: str, network, batch: int, workers: int, precision: str, device: str) -> int | None:
-    """Bytes one device holds at the step's peak; None where the estimator cannot model the
-    network or precision for the plan (a graph sharded, a 16-bit tensor plan)."""
-    try:
-        report = estimate(network, batch, precision, device=device, **_estimate_options(plan, workers))
-    except ConfigError:
-        return None
-    return math.ceil(report.needed_bytes(True) / (1 - _margin(plan))) + _kept_copy(plan, report, device)
 
 
 def _margin(plan: str) -> float:
@@ -463,14 +459,6 @@ def _kept_copy(plan: str, report, device: str) -> int:
     the estimated peak (a race with the step; docs/memory.md): one gathered unit at most. A
     plan's "fits" counts it, so that it holds whichever way the race goes."""
     return report.gathered_unit_bytes if plan == "sharded" and device == "cpu" else 0
-
-
-def _largest_batch(plan: str, network, workers: int, precision: str, device: str, memory: int) -> int:
-    """The largest batch whose step fits ``memory``, as ``dl4py memory`` finds it (for a plan
-    ``_peak`` estimates), less ``_kept_copy``, the same at any batch, and ``_margin``."""
-    options = _estimate_options(plan, workers)
-    kept = _kept_copy(plan, estimate(network, 1, precision, device=device, **options), device)
-    return max_batch_size(network, memory - kept, precision, device=device, margin=_margin(plan), **options)
 
 
 __all__ = ["PLAN_NAMES", "Prediction", "predict"]
